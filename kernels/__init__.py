@@ -1,0 +1,6 @@
+"""Fused Triton kernels of the qcomm codec, installed as ``qcomm.kernels``.
+
+One op per file (``quantize.py``, ``dequantize.py``); shared ``@triton.jit`` helpers
+(the counter-based RNG, the level math, bit packing) in ``_common.py``. Importing this
+package does not import Triton; the op modules do, and nothing touches a GPU at import.
+"""

@@ -1,0 +1,72 @@
+"""Fused dequantize: one program per bucket unpacks the codes, scales them and stores
+(or accumulates in fp32, the reduce-scatter primitive) the decoded values.
+
+Memory traffic per element: read b/8 B of codes (+ meta per bucket); write 4 B (fp32) or
+2 B; with accumulate, read and write 4 B of fp32.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from qcomm.layout import effective_scheme_id, levels
+
+from ._common import load_unpack
+
+SMALL_BUCKET = 1024
+
+
+@triton.jit
+def _dequantize_kernel(
+    meta_ptr,  # *fp32 [nb * W]
+    codes_ptr,  # *uint8 [ceil(n/8) * BITS]
+    out_ptr,  # *fp32|bf16|fp16 [n]: written, or (ACCUMULATE, fp32) added into
+    n,
+    n_groups,
+    BITS: tl.constexpr,
+    B: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SCHEME: tl.constexpr,
+    LEVELS: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+):
+    bucket = tl.program_id(0).to(tl.int64)
+    lane = tl.arange(0, BLOCK)
+    index = bucket * B + lane
+    valid = (lane < B) & (index < n)
+    k = load_unpack(codes_ptr, bucket, n_groups, BITS, BLOCK, B // 8)
+    if SCHEME == 0:
+        mn = tl.load(meta_ptr + bucket * 2)
+        step = tl.load(meta_ptr + bucket * 2 + 1)
+        y = mn + k.to(tl.float32) * step
+    elif SCHEME == 1:
+        step = tl.load(meta_ptr + bucket)
+        y = (k.to(tl.float32) - (LEVELS - 1) / 2.0) * step
+    else:
+        M: tl.constexpr = LEVELS - 1
+        scale = tl.load(meta_ptr + bucket)
+        j = k & ((1 << (BITS - 1)) - 1)
+        level = ((127 - M + j) << 23).to(tl.float32, bitcast=True)
+        level = tl.where(j == 0, 0.0, level)
+        mag = scale * level
+        y = tl.where((k >> (BITS - 1)) == 1, -mag, mag)
+    if ACCUMULATE:
+        y = y + tl.load(out_ptr + index, mask=valid, other=0.0)
+    tl.store(out_ptr + index, y.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+def dequantize(meta: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, config,
+               accumulate: bool) -> None:
+    """Decode into 1-D contiguous ``out`` (fp32 when ``accumulate``); checked by qcomm.codec."""
+    n = out.numel()
+    if n == 0:
+        return
+    B = config.bucket_size
+    sid = effective_scheme_id(config.scheme, config.bits)
+    _dequantize_kernel[(-(-n // B),)](
+        meta, codes, out, n, -(-n // 8),
+        BITS=config.bits, B=B, BLOCK=triton.next_power_of_2(B), SCHEME=sid,
+        LEVELS=levels(sid, config.bits), ACCUMULATE=accumulate,
+        num_warps=4 if B <= SMALL_BUCKET else 8,
+        enable_fp_fusion=False,  # mn + k * step must round as torch does (no FMA)
+    )

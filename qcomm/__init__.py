@@ -1,0 +1,22 @@
+"""qcomm: quantized collectives for sharded training.
+
+``import qcomm`` registers the ``"qcomm"`` torch.distributed backend; the codec
+(:func:`quantize`, :func:`dequantize`, :func:`packed_nbytes`) works on its own.
+"""
+
+__version__ = "0.1.0"
+
+from .codec import Packed, dequantize, describe, quantize  # noqa: E402
+from .config import CommConfig, QuantConfig, comm_config_from_env  # noqa: E402
+from .layout import packed_nbytes  # noqa: E402
+
+__all__ = [
+    "CommConfig",
+    "Packed",
+    "QuantConfig",
+    "comm_config_from_env",
+    "dequantize",
+    "describe",
+    "packed_nbytes",
+    "quantize",
+]

@@ -1,0 +1,283 @@
+"""The codec: validation, the wire payload, and the one place that picks a data path.
+
+Paths (``impl=``):
+
+- ``"triton"``: the fused kernels of ``qcomm.kernels`` (CUDA tensors; CPU tensors only
+  under ``TRITON_INTERPRET=1``, how CI runs them).
+- ``"torch"``: :mod:`qcomm.reference` compiled with ``torch.compile`` (one compile per
+  scheme, bits, bucket and dtype, cached; dynamic in the size). Set ``QCOMM_COMPILE=0``
+  to run it eagerly instead.
+- ``"eager"``: the reference uncompiled (slow; the oracle tests compare against).
+
+``impl=None`` picks ``"triton"`` for CUDA tensors and ``"torch"`` otherwise. All paths
+produce the same bytes for the same seed.
+
+Non-contiguous inputs are accepted (read through a contiguous copy); inputs are never
+written.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from . import layout, reference
+from .config import QuantConfig
+from .layout import DTYPE_IDS, HEADER_NBYTES, packed_nbytes
+
+IMPLS = ("triton", "torch", "eager")
+FLOAT_DTYPES = tuple(DTYPE_IDS)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A quantized tensor: ``payload`` is everything that crosses the wire."""
+
+    payload: torch.Tensor  # uint8 [packed_nbytes(numel, config)], layout.py's format
+    numel: int  # elements encoded
+    dtype: torch.dtype  # dtype of the source tensor (and of dequantize's default output)
+    config: QuantConfig  # how it was encoded
+    shape: torch.Size | None = None  # source shape (dequantize's default output shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.payload.numel()
+
+    def meta(self) -> torch.Tensor:
+        """The fp32 per-bucket metadata (a view into the payload)."""
+        end = HEADER_NBYTES + layout.meta_nbytes(self.numel, self.config)
+        return self.payload[HEADER_NBYTES:end].view(torch.float32)
+
+    def codes(self) -> torch.Tensor:
+        """The packed codes (a view into the payload)."""
+        return self.payload[HEADER_NBYTES + layout.meta_nbytes(self.numel, self.config):]
+
+    @staticmethod
+    def from_payload(payload: torch.Tensor, numel: int, dtype: torch.dtype,
+                     config: QuantConfig, shape: torch.Size | None = None) -> Packed:
+        """Wrap a received payload, checking its header against what the caller expects."""
+        packed = Packed(payload, numel, dtype, config, shape)
+        _check_payload(packed)
+        return packed
+
+
+def _header_tensor(numel: int, dtype: torch.dtype, config: QuantConfig,
+                   device: torch.device) -> torch.Tensor:
+    return _header_cached(numel, dtype, config, str(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _header_cached(numel, dtype, config, device) -> torch.Tensor:
+    raw = layout.encode_header(numel, dtype, config)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+
+
+def describe(payload: torch.Tensor) -> dict:
+    """Parse a payload's header (numel, dtype, bits, scheme, ...) without decoding it."""
+    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8:
+        raise TypeError(f"payload must be a uint8 tensor, got {_what(payload)}")
+    return layout.decode_header(bytes(payload[:HEADER_NBYTES].cpu().tolist()))
+
+
+def _what(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"tensor(dtype={t.dtype}, shape={tuple(t.shape)}, device={t.device})"
+    return type(t).__name__
+
+
+def _select_impl(device: torch.device, impl: str | None) -> str:
+    if impl is None:
+        return "triton" if device.type == "cuda" else "torch"
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
+    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"impl='triton' needs CUDA tensors (got device {device}); on CPU set "
+            "TRITON_INTERPRET=1 before importing triton, or use impl='torch'"
+        )
+    if impl == "torch" and os.environ.get("QCOMM_COMPILE", "1") == "0":
+        return "eager"
+    return impl
+
+
+_compile_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn, **static):
+    # One compiled graph per static key (scheme, bits, ...), dynamic in the size: a
+    # flat FSDP shard changes length per parameter group, and recompiling per size
+    # would cost seconds per call. The lock keeps two threads from compiling at once.
+    compiled = torch.compile(functools.partial(fn, **static), dynamic=True)
+
+    def run(*args, **kwargs):
+        with _compile_lock:
+            return compiled(*args, **kwargs)
+
+    return run
+
+
+def _check_config(config) -> QuantConfig:
+    if not isinstance(config, QuantConfig):
+        raise TypeError(f"config must be a qcomm.QuantConfig, got {type(config).__name__}")
+    return config
+
+
+def quantize(
+    x: torch.Tensor,
+    config: QuantConfig,
+    *,
+    seed: int | None = None,
+    impl: str | None = None,
+    out: torch.Tensor | None = None,
+) -> Packed:
+    """Quantize ``x`` (fp32, bf16 or fp16, any shape and size) into a :class:`Packed`.
+
+    ``seed`` overrides ``config.seed`` (same seed, same bytes). ``out``, if given, is
+    the uint8 payload buffer to write (``packed_nbytes(x.numel(), config)`` bytes,
+    contiguous, on ``x``'s device): collectives quantize straight into send buffers.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize expects a tensor, got {type(x).__name__}")
+    config = _check_config(config)
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"quantize supports float32, bfloat16 and float16 tensors, got {x.dtype} "
+            "(integer, bool, complex and float64 tensors must be sent exact)"
+        )
+    seed = config.seed if seed is None else seed
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    path = _select_impl(x.device, impl)
+    n = x.numel()
+    nbytes = packed_nbytes(n, config)
+    if out is None:
+        payload = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    else:
+        if (not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 1
+                or out.numel() != nbytes or not out.is_contiguous() or out.device != x.device):
+            raise ValueError(
+                f"out must be a contiguous 1-D uint8 tensor of {nbytes} bytes on {x.device}, "
+                f"got {_what(out)}"
+            )
+        if out.data_ptr() == x.data_ptr() and n:
+            raise ValueError("out must not alias the input of quantize")
+        payload = out
+    packed = Packed(payload, n, x.dtype, config, x.shape)
+    payload[:HEADER_NBYTES].copy_(_header_tensor(n, x.dtype, config, x.device))
+    if n == 0:
+        return packed
+    flat = x.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    key = reference.seed_key(seed)
+    meta, codes = packed.meta(), packed.codes()
+    if path == "triton":
+        from .kernels import quantize as kq
+
+        kq.quantize(flat, meta, codes, config, key)
+        return packed
+    sid = layout.effective_scheme_id(config.scheme, config.bits)
+    static = dict(bits=config.bits, bucket_size=config.bucket_size, scheme=config.scheme,
+                  l2=config.norm == "l2", stochastic=config.rounding == "stochastic")
+    divisor = torch.tensor(reference.divisor_for(sid, config.bits), device=x.device)
+    key_t = torch.tensor(key, dtype=torch.int64, device=x.device)
+    fn = reference.quantize_reference if path == "eager" else _compiled(
+        reference.quantize_reference, **static)
+    m, c = fn(flat, key=key_t, divisor=divisor, **(static if path == "eager" else {}))
+    meta.copy_(m)
+    codes.copy_(c)
+    return packed
+
+
+def _check_payload(packed: Packed) -> None:
+    if not isinstance(packed, Packed):
+        raise TypeError(f"dequantize expects a qcomm.Packed, got {type(packed).__name__}")
+    config = _check_config(packed.config)
+    p = packed.payload
+    expected = packed_nbytes(packed.numel, config)
+    if (not isinstance(p, torch.Tensor) or p.dtype != torch.uint8 or p.dim() != 1
+            or not p.is_contiguous()):
+        raise ValueError(f"payload must be a contiguous 1-D uint8 tensor, got {_what(p)}")
+    if p.numel() != expected:
+        raise ValueError(
+            f"payload has {p.numel()} bytes, but {packed.numel} elements at {config.bits} bits, "
+            f"bucket {config.bucket_size}, scheme {config.scheme!r} take {expected}"
+        )
+    head = describe(p)
+    want = {"numel": packed.numel, "dtype": packed.dtype, "bits": config.bits,
+            "scheme": config.scheme, "bucket_size": config.bucket_size,
+            "norm": config.norm, "rounding": config.rounding}
+    diff = [f"{k}: payload {head[k]!r}, expected {v!r}" for k, v in want.items() if head[k] != v]
+    if diff:
+        raise ValueError("qcomm payload does not match what the receiver expects: "
+                         + "; ".join(diff))
+
+
+def dequantize(
+    packed: Packed,
+    *,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    impl: str | None = None,
+    check: bool = True,
+) -> torch.Tensor:
+    """Decode ``packed`` into a new tensor of its source dtype and shape, or into ``out``.
+
+    With ``accumulate=True`` the decoded values are added into ``out`` (fp32, required):
+    the reduce-scatter primitive. ``check=False`` skips the header comparison (the caller
+    has already checked it; it costs a device-to-host copy of 32 bytes).
+    """
+    if check:
+        _check_payload(packed)
+    n = packed.numel
+    device = packed.payload.device
+    path = _select_impl(device, impl)
+    if accumulate:
+        if out is None:
+            raise ValueError("dequantize(accumulate=True) needs out= (a float32 tensor)")
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32:
+            raise TypeError(f"accumulate=True needs a float32 out, got {_what(out)}")
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            raise TypeError(f"out must be a floating-point tensor, got {_what(out)}")
+        if out.numel() != n or out.device != device:
+            raise ValueError(
+                f"out must hold {n} elements on {device}, got {_what(out)}"
+            )
+        result = out
+    else:
+        shape = packed.shape if packed.shape is not None else (n,)
+        result = torch.empty(shape, dtype=packed.dtype, device=device)
+    if n == 0:
+        return result
+    target = result.view(-1) if result.is_contiguous() else None
+    config = packed.config
+    if path == "triton":
+        from .kernels import dequantize as kd
+
+        if target is None:  # non-contiguous out: decode contiguously, then copy or add
+            tmp = torch.empty(n, dtype=torch.float32, device=device)
+            kd.dequantize(packed.meta(), packed.codes(), tmp, config, False)
+            _store(result, tmp, accumulate)
+        else:
+            kd.dequantize(packed.meta(), packed.codes(), target, config, accumulate)
+        return result
+    static = dict(bits=config.bits, bucket_size=config.bucket_size, scheme=config.scheme)
+    fn = reference.dequantize_reference if path == "eager" else _compiled(
+        reference.dequantize_reference, **static)
+    y = fn(packed.meta(), packed.codes(), numel=n, **(static if path == "eager" else {}))
+    _store(result, y, accumulate)
+    return result
+
+
+def _store(result: torch.Tensor, y: torch.Tensor, accumulate: bool) -> None:
+    y = y.view(result.shape)
+    if accumulate:
+        result.add_(y)
+    else:
+        result.copy_(y)

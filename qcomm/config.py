@@ -1,0 +1,197 @@
+"""Frozen, validated configuration for the codec and the process group.
+
+Every knob lives here; :func:`comm_config_from_env` is the one place environment
+variables map onto it, so a bad value fails at group creation naming the variable.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+Scheme = Literal["minmax", "maxnorm", "nuq"]
+Norm = Literal["max", "l2"]
+Rounding = Literal["stochastic", "nearest"]
+
+SCHEMES: tuple[str, ...] = ("minmax", "maxnorm", "nuq")
+NORMS: tuple[str, ...] = ("max", "l2")
+ROUNDINGS: tuple[str, ...] = ("stochastic", "nearest")
+
+# One Triton program quantizes one whole bucket out of registers, so the bucket is
+# bounded: 32768 fp32 values are 128 KiB, the most that still compiles to a
+# spill-free kernel at 8 warps (64 registers/thread for the values alone).
+MAX_BUCKET_SIZE = 32768
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How one tensor is quantized onto the wire.
+
+    Levels per scheme (``b`` = bits, ``s`` = the bucket's scale):
+
+    - ``"minmax"``: ``2^b`` uniform levels from the bucket's min to its max (CGX).
+    - ``"maxnorm"``: ``2^b - 1`` uniform levels symmetric about 0 in ``[-s, s]``
+      (QSGDinf; ``s`` = max ``|x|`` or the L2 norm); 1 bit is ``{-s, +s}``.
+    - ``"nuq"``: a sign bit and ``2^(b-1)`` exponentially spaced magnitudes
+      ``0, 2^-(M-1), ..., 1/2, 1`` times ``s``, ``M = 2^(b-1) - 1`` (NUQSGD);
+      1 bit leaves no level bits and is ``{-s, +s}`` like ``"maxnorm"``.
+    """
+
+    bits: int = 8
+    # 1024 elements per scale: at 8 bits the fp32 scale adds 4 B per 1 KiB of codes
+    # (0.4%), and it is CGX's and the NUQSGD code's default; smaller buckets track
+    # outliers better but the metadata grows (128 elements: 3% at 8 bits, 6% at 4).
+    bucket_size: int = 1024
+    scheme: Scheme = "minmax"
+    # Scale of "maxnorm" and "nuq": the bucket's max |x| (what works in practice,
+    # QSGDinf) or its L2 norm (the papers' theory). Ignored by "minmax".
+    norm: Norm = "max"
+    # "stochastic" is unbiased (E[Q(x)] = x); "nearest" has the lowest error per call.
+    rounding: Rounding = "stochastic"
+    # Base of the counter-based RNG; quantize(seed=...) overrides it per call.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int):
+            raise TypeError(f"QuantConfig.bits must be an int, got {self.bits!r}")
+        if not 1 <= self.bits <= 8:
+            raise ValueError(f"QuantConfig.bits must be in 1..8, got {self.bits}")
+        if isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int):
+            raise TypeError(f"QuantConfig.bucket_size must be an int, got {self.bucket_size!r}")
+        if not 8 <= self.bucket_size <= MAX_BUCKET_SIZE or self.bucket_size % 8:
+            raise ValueError(
+                "QuantConfig.bucket_size must be a multiple of 8 in "
+                f"8..{MAX_BUCKET_SIZE} (so each bucket's codes fill whole bytes), "
+                f"got {self.bucket_size}"
+            )
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"QuantConfig.scheme must be one of {SCHEMES}, got {self.scheme!r}")
+        if self.norm not in NORMS:
+            raise ValueError(f"QuantConfig.norm must be one of {NORMS}, got {self.norm!r}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(
+                f"QuantConfig.rounding must be one of {ROUNDINGS}, got {self.rounding!r}"
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"QuantConfig.seed must be an int, got {self.seed!r}")
+
+    def replace(self, **changes) -> QuantConfig:
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """What a qcomm process group compresses, and how.
+
+    ``None`` for a collective sends it exact (uncompressed through the inner group).
+    Defaults follow QSDP: 8-bit weights (all-gather) and gradients (reduce-scatter,
+    all-reduce), bucket 1024, stochastic rounding.
+    """
+
+    all_gather: QuantConfig | None = field(default_factory=QuantConfig)
+    reduce_scatter: QuantConfig | None = field(default_factory=QuantConfig)
+    all_reduce: QuantConfig | None = field(default_factory=QuantConfig)
+    # Tensors (per rank's contribution) below this many elements go exact: their
+    # payload would be dominated by latency and metadata. 1024 as CGX's minimal size.
+    min_numel: int = 1024
+    # Base seed for the per-call seeds (advanced identically on every rank).
+    seed: int = 0
+    # Inner backend name ("gloo", "nccl"); None picks by device at init.
+    inner: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("all_gather", "reduce_scatter", "all_reduce"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, QuantConfig):
+                raise TypeError(
+                    f"CommConfig.{name} must be a QuantConfig or None, got {value!r}"
+                )
+        if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int):
+            raise TypeError(f"CommConfig.min_numel must be an int, got {self.min_numel!r}")
+        if self.min_numel < 0:
+            raise ValueError(f"CommConfig.min_numel must be >= 0, got {self.min_numel}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"CommConfig.seed must be an int, got {self.seed!r}")
+        if self.inner is not None and not isinstance(self.inner, str):
+            raise TypeError(f"CommConfig.inner must be a backend name or None, got {self.inner!r}")
+
+    def replace(self, **changes) -> CommConfig:
+        return replace(self, **changes)
+
+
+def _parse_int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw.strip(), 0)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+def _parse_bits(env: Mapping[str, str], name: str, default: int | None) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    if raw.strip().lower() in ("off", "none", "0", "exact"):
+        return None
+    try:
+        bits = int(raw.strip())
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected 1..8 or 'off'") from None
+    if not 1 <= bits <= 8:
+        raise ValueError(f"{name}={raw!r}: expected 1..8 or 'off'")
+    return bits
+
+
+def comm_config_from_env(
+    env: Mapping[str, str] | None = None, base: CommConfig | None = None
+) -> CommConfig:
+    """Map ``QCOMM_*`` environment variables onto a :class:`CommConfig`.
+
+    ``QCOMM_AG_BITS``, ``QCOMM_RS_BITS``, ``QCOMM_AR_BITS`` (1-8 or ``off``),
+    ``QCOMM_BUCKET``, ``QCOMM_SCHEME``, ``QCOMM_NORM``, ``QCOMM_ROUNDING``,
+    ``QCOMM_MIN_NUMEL``, ``QCOMM_SEED``, ``QCOMM_INNER``. Unset variables keep
+    ``base`` (default: :class:`CommConfig()`). A bad value raises ``ValueError``
+    naming the variable.
+    """
+    env = os.environ if env is None else env
+    base = CommConfig() if base is None else base
+    template = next(
+        (q for q in (base.all_gather, base.reduce_scatter, base.all_reduce) if q is not None),
+        QuantConfig(),
+    )
+    common: dict = {}
+    if env.get("QCOMM_BUCKET", "").strip():
+        common["bucket_size"] = _parse_int(env, "QCOMM_BUCKET", template.bucket_size)
+    for var, key in (("QCOMM_SCHEME", "scheme"), ("QCOMM_NORM", "norm"),
+                     ("QCOMM_ROUNDING", "rounding")):
+        if env.get(var, "").strip():
+            common[key] = env[var].strip().lower()
+
+    def one(var: str, current: QuantConfig | None) -> QuantConfig | None:
+        default_bits = None if current is None else current.bits
+        bits = _parse_bits(env, var, default_bits)
+        if bits is None:
+            return None
+        start = current if current is not None else template
+        try:
+            return start.replace(bits=bits, **common)
+        except (ValueError, TypeError) as err:
+            names = ", ".join(
+                v for v in ("QCOMM_BUCKET", "QCOMM_SCHEME", "QCOMM_NORM", "QCOMM_ROUNDING")
+                if env.get(v, "").strip()
+            )
+            raise ValueError(f"bad qcomm environment ({names or var}): {err}") from None
+
+    inner = env.get("QCOMM_INNER", "").strip() or base.inner
+    return CommConfig(
+        all_gather=one("QCOMM_AG_BITS", base.all_gather),
+        reduce_scatter=one("QCOMM_RS_BITS", base.reduce_scatter),
+        all_reduce=one("QCOMM_AR_BITS", base.all_reduce),
+        min_numel=_parse_int(env, "QCOMM_MIN_NUMEL", base.min_numel),
+        seed=_parse_int(env, "QCOMM_SEED", base.seed),
+        inner=inner,
+    )

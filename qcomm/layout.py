@@ -1,0 +1,124 @@
+"""The qcomm wire format: one contiguous uint8 payload per quantized tensor.
+
+::
+
+    offset 0                    32                         32 + 4*W*nb
+    +---------------------------+--------------------------+------------------------------+
+    | header (32 bytes)         | meta: fp32 x W per bucket | codes: ceil(n/8) * b bytes  |
+    +---------------------------+--------------------------+------------------------------+
+
+    header (little-endian):
+      [0:2]   magic  b"QC"            [8:12]  bucket_size  uint32
+      [2]     version (1)             [12:16] reserved, 0
+      [3]     bits b (1..8)           [16:24] numel n      uint64
+      [4]     scheme id (0 minmax, 1 maxnorm, 2 nuq)
+      [5]     flags: bit0 = L2 norm, bit1 = nearest rounding
+      [6]     source dtype (0 float32, 1 bfloat16, 2 float16)
+      [7]     reserved, 0             [24:32] reserved, 0
+
+    meta, per bucket (nb = ceil(n / bucket_size), W words of fp32):
+      minmax   W=2  [min, step]     x = min + k * step             k in 0 .. 2^b - 1
+      maxnorm  W=1  [step]          x = (k - c) * step             k in 0 .. L - 1,
+                                    L = 2^b - 1 (b >= 2) or 2 (b = 1), c = (L - 1) / 2
+      nuq      W=1  [scale]         x = (-1)^sign * scale * lvl(j) k = sign << (b-1) | j,
+                                    lvl(0) = 0, lvl(j) = 2^-(M-j), M = 2^(b-1) - 1
+      (nuq at b = 1 has no level bits and is encoded exactly as maxnorm at b = 1)
+      A bucket holding inf or NaN has NaN meta (and all-zero codes): it decodes to NaN.
+
+    codes: element i's code sits at bits [i*b, (i+1)*b) of a little-endian bit
+    stream, i.e. each group of 8 consecutive codes is one b-byte little-endian word.
+      b=1: byte = k7..k0 (bit j = code j)        b=2: byte 0 = k3 k2 k1 k0 (2 bits each)
+      b=4: byte 0 = k1:k0 (k0 in the low nibble)  b=8: byte i = k_i
+      b=3: 8 codes in 3 bytes: byte 0 = k2[1:0] k1 k0, byte 1 = k5[0] k4 k3 k2[2], ...
+    The tail group of a size that is not a multiple of 8 is padded with zero codes.
+
+The header makes every payload self-describing: a receiver checks it against what it
+expects and names any mismatch instead of decoding garbage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+HEADER_NBYTES = 32
+MAGIC = b"QC"
+VERSION = 1
+MASK32 = 0xFFFFFFFF
+
+SCHEME_IDS = {"minmax": 0, "maxnorm": 1, "nuq": 2}
+SCHEME_NAMES = {v: k for k, v in SCHEME_IDS.items()}
+DTYPE_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DTYPES = {v: k for k, v in DTYPE_IDS.items()}
+
+
+def levels(scheme_id: int, bits: int) -> int:
+    """Number of representable levels (uniform schemes) or ``M + 1`` magnitudes (nuq)."""
+    if scheme_id == 0:
+        return 1 << bits
+    if scheme_id == 1:
+        return (1 << bits) - 1 if bits >= 2 else 2
+    return 1 << (bits - 1)
+
+
+def meta_words(scheme_id: int) -> int:
+    return 2 if scheme_id == 0 else 1
+
+
+def effective_scheme_id(scheme: str, bits: int) -> int:
+    """nuq at 1 bit has no level bits: it is the {-s, +s} grid of maxnorm."""
+    if scheme == "nuq" and bits == 1:
+        return SCHEME_IDS["maxnorm"]
+    return SCHEME_IDS[scheme]
+
+
+def num_buckets(numel: int, bucket_size: int) -> int:
+    return -(-numel // bucket_size)
+
+
+def meta_nbytes(numel: int, config) -> int:
+    sid = effective_scheme_id(config.scheme, config.bits)
+    return 4 * meta_words(sid) * num_buckets(numel, config.bucket_size)
+
+
+def codes_nbytes(numel: int, bits: int) -> int:
+    return -(-numel // 8) * bits
+
+
+def packed_nbytes(numel: int, config) -> int:
+    """Exact wire size of ``numel`` elements under ``config``, known before quantizing."""
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"packed_nbytes: numel must be an int >= 0, got {numel!r}")
+    return HEADER_NBYTES + meta_nbytes(numel, config) + codes_nbytes(numel, config.bits)
+
+
+def encode_header(numel: int, dtype: torch.dtype, config) -> bytes:
+    flags = (1 if config.norm == "l2" else 0) | (2 if config.rounding == "nearest" else 0)
+    return (
+        MAGIC
+        + bytes([VERSION, config.bits, SCHEME_IDS[config.scheme], flags, DTYPE_IDS[dtype], 0])
+        + config.bucket_size.to_bytes(4, "little")
+        + bytes(4)
+        + numel.to_bytes(8, "little")
+        + bytes(8)
+    )
+
+
+def decode_header(header: bytes) -> dict:
+    """Parse the 32 header bytes; ``ValueError`` if they are not a qcomm header."""
+    if len(header) < HEADER_NBYTES or header[:2] != MAGIC:
+        raise ValueError(
+            f"not a qcomm payload: header starts {bytes(header[:4])!r}, expected magic {MAGIC!r}"
+        )
+    if header[2] != VERSION:
+        raise ValueError(f"qcomm payload version {header[2]}, this build reads {VERSION}")
+    if header[4] not in SCHEME_NAMES or header[6] not in DTYPES:
+        raise ValueError(f"corrupt qcomm header: scheme id {header[4]}, dtype id {header[6]}")
+    return {
+        "bits": header[3],
+        "scheme": SCHEME_NAMES[header[4]],
+        "norm": "l2" if header[5] & 1 else "max",
+        "rounding": "nearest" if header[5] & 2 else "stochastic",
+        "dtype": DTYPES[header[6]],
+        "bucket_size": int.from_bytes(header[8:12], "little"),
+        "numel": int.from_bytes(header[16:24], "little"),
+    }

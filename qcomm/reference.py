@@ -1,0 +1,223 @@
+"""The torch reference of every codec op: the oracle the Triton kernels must match bit
+for bit, and (compiled by :mod:`qcomm.codec` with ``torch.compile``) the CPU data path.
+
+Everything here is plain tensor code over int64/fp32 so that eager torch, Inductor's
+C++ and the Triton kernels compute the same bits:
+
+- no fp32 ``a*b + c`` whose rounding decides a code (Triton would fuse it into an FMA;
+  the kernels are launched with fusion off as well);
+- divisions are IEEE-rounded (``tl.math.div_rn`` on the Triton side);
+- the bucket statistics that decide codes are exact (min, max, max |x|) or summed in
+  fp64 before one rounding to fp32 (the L2 norm), so reduction order does not matter
+  (an fp64 sum of <= 2^15 squares of fp32 values rounds to the same fp32 except with
+  probability ~2^-29 per bucket);
+- 32-bit integer multiplies are split into 16-bit halves so no int64 product overflows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import MASK32, effective_scheme_id, levels, meta_words
+
+# Multiply-xorshift constants of murmur3's fmix32 finalizer and the golden-ratio Weyl
+# step: a bijection on uint32 with full avalanche, so consecutive element indices
+# give independent-looking random numbers.
+FMIX_C1 = 0x85EBCA6B
+FMIX_C2 = 0xC2B2AE35
+GOLDEN = 0x9E3779B1
+GOLDEN_HI = 0x7F4A7C15
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """``(h * c) mod 2^32`` for int64 ``h`` in [0, 2^32) without int64 overflow."""
+    lo = h * (c & 0xFFFF)
+    hi = ((h * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & MASK32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = _mul32(h, FMIX_C1)
+    h = h ^ (h >> 13)
+    h = _mul32(h, FMIX_C2)
+    return h ^ (h >> 16)
+
+
+def fmix32_int(h: int) -> int:
+    """fmix32 on a Python int (host side: turns a seed into the RNG key)."""
+    h &= MASK32
+    h ^= h >> 16
+    h = (h * FMIX_C1) & MASK32
+    h ^= h >> 13
+    h = (h * FMIX_C2) & MASK32
+    return h ^ (h >> 16)
+
+
+def seed_key(seed: int) -> int:
+    """Fold a (up to 64-bit) seed into the 32-bit key of the element hash."""
+    seed &= (1 << 64) - 1
+    return fmix32_int((seed & MASK32) ^ fmix32_int((seed >> 32) ^ GOLDEN_HI))
+
+
+def uniform(index: torch.Tensor, key: int) -> torch.Tensor:
+    """Counter-based uniform in [0, 1) on a 2^-24 grid from (key, element index).
+
+    ``h = fmix32((lo32(i) * GOLDEN + key) ^ (hi32(i) * GOLDEN_HI))``, ``u = (h >> 8) / 2^24``:
+    exact in fp32, and the same function as ``kernels/_common.py::uniform``.
+    """
+    lo = index & MASK32
+    hi = index >> 32
+    h = (_mul32(lo, GOLDEN) + key) & MASK32
+    h = h ^ _mul32(hi, GOLDEN_HI)
+    h = _fmix32(h)
+    return (h >> 8).to(torch.float32) * (1.0 / 16777216.0)
+
+
+def divisor_for(scheme_id: int, bits: int) -> float:
+    """What the scale is divided by to get the step: ``L - 1`` (minmax), ``c`` (maxnorm)."""
+    L = levels(scheme_id, bits)
+    return float(L - 1) if scheme_id == 0 else (L - 1) / 2.0
+
+
+def _round_codes(t: torch.Tensor, thr: torch.Tensor | float, top: int) -> torch.Tensor:
+    """Round level position ``t >= 0`` up when its fraction exceeds ``thr``; clamp."""
+    lo = torch.floor(t)
+    frac = t - lo
+    up = (frac > thr).to(torch.int64)
+    return torch.clamp(lo.to(torch.int64) + up, 0, top)
+
+
+def quantize_reference(
+    x: torch.Tensor,
+    *,
+    bits: int,
+    bucket_size: int,
+    scheme: str,
+    l2: bool,
+    stochastic: bool,
+    key: int | torch.Tensor,
+    divisor: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 1-D float tensor; returns (meta fp32 [nb * words], codes uint8).
+
+    ``meta`` per bucket: minmax ``[min, step]``; maxnorm ``[step]``; nuq ``[scale]``.
+    ``codes``: ``ceil(n / 8) * bits`` bytes, each group of 8 consecutive codes one
+    little-endian ``bits``-byte word with code k at bits ``[k*bits, (k+1)*bits)``.
+    A bucket holding inf or NaN gets NaN metadata and all-zero codes.
+
+    ``key`` (the RNG key) and ``divisor`` (the level count the scale is divided by,
+    :func:`divisor_for`) may be 0-d tensors: under ``torch.compile`` a Python number
+    would be a constant, and Inductor turns ``x / constant`` into ``x * (1 / constant)``,
+    which rounds differently from the Triton kernel's IEEE division.
+    """
+    n = x.numel()
+    B = bucket_size
+    nb = -(-n // B)
+    xf = x.reshape(-1).to(torch.float32)
+    xp = torch.nn.functional.pad(xf, (0, nb * B - n)).view(nb, B)
+    index = torch.arange(nb * B, device=x.device, dtype=torch.int64).view(nb, B)
+    valid = index < n
+    # inf * 0 and NaN * 0 are NaN; finite * 0 is +-0: the sum is NaN iff the bucket
+    # holds a non-finite value, whatever the summation order.
+    bad = torch.isnan((xp * 0.0).sum(dim=1, keepdim=True))
+    if stochastic:
+        thr = 1.0 - uniform(index, key)  # P(frac > 1 - u) = frac for u on [0, 1)
+    else:
+        thr = 0.5
+    sid = effective_scheme_id(scheme, bits)
+    L = levels(sid, bits)
+    if divisor is None:
+        divisor = torch.tensor(divisor_for(sid, bits), dtype=torch.float32, device=x.device)
+    nan = torch.tensor(float("nan"), dtype=torch.float32, device=x.device)
+    if sid == 0:  # minmax
+        mn = torch.where(valid, xp, float("inf")).amin(dim=1, keepdim=True)
+        mx = torch.where(valid, xp, float("-inf")).amax(dim=1, keepdim=True)
+        step = (mx - mn) / divisor
+        t = torch.where(step > 0, (xp - mn) / step, 0.0)
+        t = torch.where(bad, 0.0, t)
+        codes = _round_codes(t, thr, L - 1)
+        meta = torch.cat([torch.where(bad, nan, mn), torch.where(bad, nan, step)], dim=1)
+    else:
+        if l2:
+            scale = xp.to(torch.float64).square().sum(dim=1, keepdim=True).sqrt()
+            scale = scale.to(torch.float32)
+        else:
+            scale = xp.abs().amax(dim=1, keepdim=True)
+        if sid == 1:  # maxnorm: x = (k - c) * step, c = (L - 1) / 2
+            step = scale / divisor
+            t = torch.where(step > 0, xp / step, 0.0) + divisor
+            t = torch.where(bad, 0.0, t)
+            codes = _round_codes(t, thr, L - 1)
+            meta = torch.where(bad, nan, step)
+        else:  # nuq: sign bit, level j in 0..M: 0 or 2^-(M - j)
+            M = L - 1
+            r = torch.where(scale > 0, xp.abs() / scale, 0.0)
+            r = torch.clamp(torch.where(bad, 0.0, r), max=1.0)
+            ebits = (r.view(torch.int32).to(torch.int64) >> 23) & 0xFF
+            mant = (r.view(torch.int32).to(torch.int64) & 0x7FFFFF).to(torch.float32)
+            geometric = ebits >= 127 - (M - 1)  # r >= 2^-(M-1), the smallest level
+            j_lo = torch.where(geometric, ebits - 127 + M, 0)
+            frac = torch.where(geometric, mant * (1.0 / 8388608.0), r * float(2.0 ** (M - 1)))
+            up = (frac > thr).to(torch.int64)
+            j = torch.clamp(j_lo + up, max=M)
+            sign = (xp < 0).to(torch.int64)
+            codes = (sign << (bits - 1)) | j
+            meta = torch.where(bad, nan, scale)
+    codes = torch.where(valid, codes, 0)
+    return meta.reshape(-1), pack_codes(codes.reshape(-1)[: -(-n // 8) * 8], bits)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int64 codes (length a multiple of 8) -> uint8, 8 codes per ``bits`` bytes.
+
+    Word of group g: ``w = sum_k codes[8g + k] << (k * bits)``, stored little-endian
+    in bytes ``[g * bits, (g + 1) * bits)``.
+    """
+    groups = codes.view(-1, 8)
+    shifts = torch.arange(8, device=codes.device, dtype=torch.int64) * bits
+    # Disjoint bit fields: the sum is their OR (wrapping past bit 63 for bits=8 is fine).
+    word = (groups << shifts).sum(dim=1, keepdim=True)
+    byte_shifts = torch.arange(bits, device=codes.device, dtype=torch.int64) * 8
+    return ((word >> byte_shifts) & 0xFF).to(torch.uint8).reshape(-1)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: uint8 -> int64 codes, 8 per ``bits`` bytes."""
+    groups = packed.view(-1, bits).to(torch.int64)
+    byte_shifts = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
+    word = (groups << byte_shifts).sum(dim=1, keepdim=True)
+    shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
+    return ((word >> shifts) & ((1 << bits) - 1)).reshape(-1)
+
+
+def dequantize_reference(
+    meta: torch.Tensor,
+    codes: torch.Tensor,
+    *,
+    numel: int,
+    bits: int,
+    bucket_size: int,
+    scheme: str,
+) -> torch.Tensor:
+    """Decode to fp32 [numel] (callers cast or accumulate)."""
+    n = numel
+    B = bucket_size
+    nb = -(-n // B)
+    sid = effective_scheme_id(scheme, bits)
+    L = levels(sid, bits)
+    k = unpack_codes(codes, bits)
+    k = torch.nn.functional.pad(k, (0, nb * B - k.numel()))[: nb * B].view(nb, B)
+    m = meta.view(nb, meta_words(sid))
+    if sid == 0:
+        out = m[:, :1] + k.to(torch.float32) * m[:, 1:2]
+    elif sid == 1:
+        out = (k.to(torch.float32) - (L - 1) / 2.0) * m
+    else:
+        M = L - 1
+        j = k & ((1 << (bits - 1)) - 1)
+        level = ((127 - M + j).to(torch.int32) << 23).view(torch.float32)
+        level = torch.where(j == 0, 0.0, level)
+        mag = m * level
+        out = torch.where((k >> (bits - 1)) == 1, -mag, mag)
+    return out.reshape(-1)[:n]
