@@ -1,7 +1,7 @@
 """The torch reference of every codec op: the oracle the Triton kernels must match bit
 for bit, and (compiled by :mod:`qcomm.codec` with ``torch.compile``) the CPU data path.
 
-Everything here is plain tensor code over int64/fp32 so that eager torch, Inductor's
+Everything here is plain tensor code over int32/fp32 so that eager torch, Inductor's
 C++ and the Triton kernels compute the same bits:
 
 - no fp32 ``a*b + c`` whose rounding decides a code (Triton would fuse it into an FMA;
@@ -11,7 +11,7 @@ C++ and the Triton kernels compute the same bits:
   fp64 before one rounding to fp32 (the L2 norm), so reduction order does not matter
   (an fp64 sum of <= 2^15 squares of fp32 values rounds to the same fp32 except with
   probability ~2^-29 per bucket);
-- 32-bit integer multiplies are split into 16-bit halves so no int64 product overflows.
+- the hash runs on int32 with wrapping multiplies, the same bits as the kernels' uint32.
 """
 
 from __future__ import annotations
@@ -29,19 +29,24 @@ GOLDEN = 0x9E3779B1
 GOLDEN_HI = 0x7F4A7C15
 
 
-def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
-    """``(h * c) mod 2^32`` for int64 ``h`` in [0, 2^32) without int64 overflow."""
-    lo = h * (c & 0xFFFF)
-    hi = ((h * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & MASK32
+def _i32(c: int) -> int:
+    """A uint32 constant as the int32 with the same bits."""
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+def _srl(h: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int32 ``h`` (torch's ``>>`` is arithmetic)."""
+    return (h >> s) & ((1 << (32 - s)) - 1)
 
 
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    h = h ^ (h >> 16)
-    h = _mul32(h, FMIX_C1)
-    h = h ^ (h >> 13)
-    h = _mul32(h, FMIX_C2)
-    return h ^ (h >> 16)
+    # int32 multiplies wrap mod 2^32 like the kernels' uint32 ones; xor and the
+    # logical shifts see the same 32 bits, so the result is the uint32 hash's bits.
+    h = h ^ _srl(h, 16)
+    h = h * _i32(FMIX_C1)
+    h = h ^ _srl(h, 13)
+    h = h * _i32(FMIX_C2)
+    return h ^ _srl(h, 16)
 
 
 def fmix32_int(h: int) -> int:
@@ -55,23 +60,25 @@ def fmix32_int(h: int) -> int:
 
 
 def seed_key(seed: int) -> int:
-    """Fold a (up to 64-bit) seed into the 32-bit key of the element hash."""
+    """Fold a (up to 64-bit) seed into the 32-bit key of the element hash (as int32)."""
     seed &= (1 << 64) - 1
-    return fmix32_int((seed & MASK32) ^ fmix32_int((seed >> 32) ^ GOLDEN_HI))
+    return _i32(fmix32_int((seed & MASK32) ^ fmix32_int((seed >> 32) ^ GOLDEN_HI)))
 
 
-def uniform(index: torch.Tensor, key: int) -> torch.Tensor:
-    """Counter-based uniform in [0, 1) on a 2^-24 grid from (key, element index).
+def uniform(index: torch.Tensor, key: int | torch.Tensor) -> torch.Tensor:
+    """Counter-based uniform in [0, 1) on a 2^-24 grid from (key, int64 element index).
 
-    ``h = fmix32((lo32(i) * GOLDEN + key) ^ (hi32(i) * GOLDEN_HI))``, ``u = (h >> 8) / 2^24``:
-    exact in fp32, and the same function as ``kernels/_common.py::uniform``.
+    ``h = fmix32((lo32(i) * GOLDEN + key) ^ (hi32(i) * GOLDEN_HI))``, ``u = (h >> 8) / 2^24``
+    over uint32 (here int32 with wrapping multiplies): exact in fp32, and the same
+    function as ``kernels/_common.py::uniform``. 32-bit lanes: twice the vector width
+    of int64 on the CPU path.
     """
-    lo = index & MASK32
-    hi = index >> 32
-    h = (_mul32(lo, GOLDEN) + key) & MASK32
-    h = h ^ _mul32(hi, GOLDEN_HI)
+    lo = index.to(torch.int32)  # truncates mod 2^32
+    hi = (index >> 32).to(torch.int32)
+    h = lo * _i32(GOLDEN) + key
+    h = h ^ (hi * _i32(GOLDEN_HI))
     h = _fmix32(h)
-    return (h >> 8).to(torch.float32) * (1.0 / 16777216.0)
+    return _srl(h, 8).to(torch.float32) * (1.0 / 16777216.0)
 
 
 def divisor_for(scheme_id: int, bits: int) -> float:
@@ -84,8 +91,8 @@ def _round_codes(t: torch.Tensor, thr: torch.Tensor | float, top: int) -> torch.
     """Round level position ``t >= 0`` up when its fraction exceeds ``thr``; clamp."""
     lo = torch.floor(t)
     frac = t - lo
-    up = (frac > thr).to(torch.int64)
-    return torch.clamp(lo.to(torch.int64) + up, 0, top)
+    up = (frac > thr).to(torch.int32)
+    return torch.clamp(lo.to(torch.int32) + up, 0, top)
 
 
 def quantize_reference(
@@ -154,41 +161,74 @@ def quantize_reference(
             M = L - 1
             r = torch.where(scale > 0, xp.abs() / scale, 0.0)
             r = torch.clamp(torch.where(bad, 0.0, r), max=1.0)
-            ebits = (r.view(torch.int32).to(torch.int64) >> 23) & 0xFF
-            mant = (r.view(torch.int32).to(torch.int64) & 0x7FFFFF).to(torch.float32)
+            ebits = (r.view(torch.int32) >> 23) & 0xFF  # r >= 0: the sign bit is 0
+            mant = (r.view(torch.int32) & 0x7FFFFF).to(torch.float32)
             geometric = ebits >= 127 - (M - 1)  # r >= 2^-(M-1), the smallest level
             j_lo = torch.where(geometric, ebits - 127 + M, 0)
             frac = torch.where(geometric, mant * (1.0 / 8388608.0), r * float(2.0 ** (M - 1)))
-            up = (frac > thr).to(torch.int64)
-            j = torch.clamp(j_lo + up, max=M)
-            sign = (xp < 0).to(torch.int64)
+            up = (frac > thr).to(torch.int32)
+            j = torch.clamp(j_lo.to(torch.int32) + up, max=M)
+            sign = (xp < 0).to(torch.int32)
             codes = (sign << (bits - 1)) | j
             meta = torch.where(bad, nan, scale)
     codes = torch.where(valid, codes, 0)
     return meta.reshape(-1), pack_codes(codes.reshape(-1)[: -(-n // 8) * 8], bits)
 
 
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """int64 codes (length a multiple of 8) -> uint8, 8 codes per ``bits`` bytes.
+def _byte_pieces(bits: int, m: int):
+    """(k, shift) of the codes overlapping byte m of a group's word: shift = k*bits - 8m."""
+    return [(k, k * bits - 8 * m) for k in range(8)
+            if k * bits < 8 * m + 8 and (k + 1) * bits > 8 * m]
 
-    Word of group g: ``w = sum_k codes[8g + k] << (k * bits)``, stored little-endian
-    in bytes ``[g * bits, (g + 1) * bits)``.
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 codes (length a multiple of 8) -> uint8, 8 codes per ``bits`` bytes.
+
+    Group g's word ``w = sum_k codes[8g + k] << (k * bits)`` is stored little-endian in
+    bytes ``[g * bits, (g + 1) * bits)``. Each byte is built from the codes that overlap
+    it, so every code is computed once (bits dividing 8) or at most twice (3, 5, 6, 7
+    bits): a reduction over the 8 codes of a group would run scalar under Inductor.
     """
-    groups = codes.view(-1, 8)
-    shifts = torch.arange(8, device=codes.device, dtype=torch.int64) * bits
-    # Disjoint bit fields: the sum is their OR (wrapping past bit 63 for bits=8 is fine).
-    word = (groups << shifts).sum(dim=1, keepdim=True)
-    byte_shifts = torch.arange(bits, device=codes.device, dtype=torch.int64) * 8
-    return ((word >> byte_shifts) & 0xFF).to(torch.uint8).reshape(-1)
+    if bits == 8:
+        return codes.to(torch.uint8)
+    if 8 % bits == 0:
+        per = 8 // bits
+        g = codes.view(-1, per)
+        byte = g[:, 0]
+        for k in range(1, per):
+            byte = byte | (g[:, k] << (k * bits))
+        return byte.to(torch.uint8)
+    g = codes.view(-1, 8)
+    out = []
+    for m in range(bits):
+        byte = None
+        for k, shift in _byte_pieces(bits, m):
+            piece = (g[:, k] << shift) if shift >= 0 else (g[:, k] >> -shift)
+            byte = piece if byte is None else byte | piece
+        out.append(byte & 0xFF)
+    return torch.stack(out, dim=1).to(torch.uint8).reshape(-1)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: uint8 -> int64 codes, 8 per ``bits`` bytes."""
-    groups = packed.view(-1, bits).to(torch.int64)
-    byte_shifts = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
-    word = (groups << byte_shifts).sum(dim=1, keepdim=True)
-    shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
-    return ((word >> shifts) & ((1 << bits) - 1)).reshape(-1)
+    """Inverse of :func:`pack_codes`: uint8 -> int32 codes, 8 per ``bits`` bytes."""
+    mask = (1 << bits) - 1
+    if bits == 8:
+        return packed.to(torch.int32)
+    if 8 % bits == 0:
+        shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.int32)
+        return ((packed.to(torch.int32)[:, None] >> shifts) & mask).reshape(-1)
+    g = packed.view(-1, bits).to(torch.int32)
+    out = []
+    for k in range(8):
+        code = None
+        for m in range(bits):
+            shift = k * bits - 8 * m
+            if not -bits < shift < 8:  # byte m holds none of code k
+                continue
+            piece = (g[:, m] >> shift) if shift >= 0 else (g[:, m] << -shift)
+            code = piece if code is None else code | piece
+        out.append(code & mask)
+    return torch.stack(out, dim=1).reshape(-1)
 
 
 def dequantize_reference(
@@ -216,7 +256,7 @@ def dequantize_reference(
     else:
         M = L - 1
         j = k & ((1 << (bits - 1)) - 1)
-        level = ((127 - M + j).to(torch.int32) << 23).view(torch.float32)
+        level = ((127 - M + j) << 23).view(torch.float32)
         level = torch.where(j == 0, 0.0, level)
         mag = m * level
         out = torch.where((k >> (bits - 1)) == 1, -mag, mag)
