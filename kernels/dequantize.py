@@ -17,6 +17,19 @@ SMALL_BUCKET = 1024
 
 
 @triton.jit
+def _to_bf16_rne(y):
+    """fp32 -> bf16 rounding to nearest even, NaN -> 0x7FC0: torch's cast, bit for bit.
+
+    Written out in integer ops because the Triton interpreter (how CI runs this kernel)
+    truncates fp32 -> bf16; GPUs round to nearest even either way.
+    """
+    b = y.to(tl.uint32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    r = tl.where(y != y, 0x7FC0, r)
+    return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def _dequantize_kernel(
     meta_ptr,  # *fp32 [nb * W]
     codes_ptr,  # *uint8 [ceil(n/8) * BITS]
@@ -52,6 +65,8 @@ def _dequantize_kernel(
         y = tl.where((k >> (BITS - 1)) == 1, -mag, mag)
     if ACCUMULATE:
         y = y + tl.load(out_ptr + index, mask=valid, other=0.0)
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        y = _to_bf16_rne(y)
     tl.store(out_ptr + index, y.to(out_ptr.dtype.element_ty), mask=valid)
 
 

@@ -1,0 +1,130 @@
+"""Every data path produces the same bytes: Triton kernels (under TRITON_INTERPRET=1 on
+CPU, natively on a GPU), the compiled torch path, and the eager reference."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede the first import of qcomm.kernels (triton.jit reads it at decoration).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from qcomm import QuantConfig, dequantize, quantize  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+B = 64  # small buckets keep the interpreter fast; sizes below straddle them
+SIZES = [0, 1, B - 1, B + 1, 203, 5 * B + 3]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def describe_mismatch(a: torch.Tensor, b: torch.Tensor) -> str:
+    """Where two tensors differ: count and first positions (NaN-aware)."""
+    diff = ~((a == b) | (torch.isnan(a.float()) & torch.isnan(b.float())))
+    where = diff.nonzero().flatten()[:8].tolist()
+    return f"{int(diff.sum())} of {a.numel()} differ, first at {where}"
+
+
+def gradient_like(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4
+    if n > 10:
+        x[3] = 0.0
+        x[7] = -x[7].abs() - 1.0  # an outlier
+    return x.to(dtype).to(DEVICE)
+
+
+def assert_same_bytes(x, cfg, seed=123):
+    ref = quantize(x.cpu(), cfg, seed=seed, impl="eager")
+    tri = quantize(x, cfg, seed=seed, impl="triton")
+    got = tri.payload.cpu()
+    assert torch.equal(got, ref.payload), describe_mismatch(got, ref.payload)
+    return ref, tri
+
+
+@pytest.mark.parametrize("scheme", ["minmax", "maxnorm", "nuq"])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+def test_triton_matches_reference(scheme, bits, dtype, n):
+    x = gradient_like(n, dtype, seed=n + bits)
+    cfg = QuantConfig(bits=bits, bucket_size=B, scheme=scheme)
+    ref, tri = assert_same_bytes(x, cfg)
+    want = dequantize(ref, impl="eager")
+    got = dequantize(tri, impl="triton").cpu()
+    assert got.dtype == dtype
+    assert torch.equal(got, want), describe_mismatch(got, want)
+
+
+@pytest.mark.parametrize("scheme, bits", [("minmax", 5), ("maxnorm", 6), ("nuq", 7),
+                                          ("nuq", 4), ("maxnorm", 2)])
+@pytest.mark.parametrize("norm, rounding", [("l2", "stochastic"), ("max", "nearest"),
+                                            ("l2", "nearest")])
+def test_triton_matches_reference_norms_and_rounding(scheme, bits, norm, rounding):
+    x = gradient_like(3 * B + 5, torch.float32, seed=bits)
+    assert_same_bytes(x, QuantConfig(bits=bits, bucket_size=B, scheme=scheme, norm=norm,
+                                     rounding=rounding))
+
+
+def test_triton_default_bucket_and_nonfinite():
+    x = gradient_like(2 * 1024 + 17, torch.float32)
+    x[1500] = float("nan")
+    x[10] = float("-inf")
+    ref, tri = assert_same_bytes(x, QuantConfig())
+    got = dequantize(tri, impl="triton").cpu()
+    want = dequantize(ref, impl="eager")
+    assert torch.isnan(got[:2048]).all() and torch.isfinite(got[2048:]).all()
+    assert torch.equal(got[2048:], want[2048:])
+
+
+@pytest.mark.parametrize("scheme", ["minmax", "nuq"])
+def test_triton_accumulate_and_cast(scheme):
+    x = gradient_like(4 * B + 9, torch.float32)
+    cfg = QuantConfig(bits=4, bucket_size=B, scheme=scheme)
+    p = quantize(x, cfg, impl="triton")
+    acc = torch.linspace(-1, 1, x.numel(), device=DEVICE)
+    want = acc.cpu() + dequantize(p, impl="eager")
+    dequantize(p, out=acc, accumulate=True, impl="triton")
+    assert torch.equal(acc.cpu(), want)
+    for dtype in (torch.bfloat16, torch.float16):
+        out = torch.empty(x.numel(), dtype=dtype, device=DEVICE)
+        dequantize(p, out=out, impl="triton")
+        assert torch.equal(out.cpu(), dequantize(p, impl="eager").to(dtype))
+
+
+def test_triton_input_untouched():
+    x = gradient_like(300, torch.bfloat16)
+    before = x.clone()
+    p = quantize(x, QuantConfig(bits=3, bucket_size=B), impl="triton")
+    assert torch.equal(x, before)
+    payload = p.payload.clone()
+    dequantize(p, impl="triton")
+    assert torch.equal(p.payload, payload)
+
+
+# The compiled CPU path: one compile per configuration (~10-25 s each on 2 cores), so a
+# few representative ones; the eager reference stands for the rest.
+@pytest.mark.parametrize(
+    "cfg, dtype",
+    [
+        (QuantConfig(bits=8), torch.float32),
+        (QuantConfig(bits=4, scheme="nuq"), torch.bfloat16),
+        (QuantConfig(bits=3, scheme="maxnorm", norm="l2", bucket_size=256), torch.float16),
+    ],
+    ids=["minmax8-fp32", "nuq4-bf16", "maxnorm3-l2-fp16"],
+)
+def test_compiled_torch_path_matches_eager(cfg, dtype, monkeypatch):
+    monkeypatch.setenv("QCOMM_COMPILE", "1")
+    for n in (1, 5000, 3 * 1024 + 7):  # dynamic shapes: no recompilation per size
+        x = gradient_like(n, dtype, seed=n).cpu()
+        a = quantize(x, cfg, seed=9, impl="torch")
+        b = quantize(x, cfg, seed=9, impl="eager")
+        assert torch.equal(a.payload, b.payload), describe_mismatch(a.payload, b.payload)
+        ya = dequantize(a, impl="torch")
+        yb = dequantize(b, impl="eager")
+        assert torch.equal(ya, yb), describe_mismatch(ya, yb)
+        acc, acc_eager = torch.ones(n), torch.ones(n)
+        dequantize(a, out=acc, accumulate=True, impl="torch")
+        dequantize(b, out=acc_eager, accumulate=True, impl="eager")
+        assert torch.equal(acc, acc_eager)
