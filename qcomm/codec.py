@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import types
 from dataclasses import dataclass
 
 import torch
@@ -112,7 +113,15 @@ def _compiled(fn, **static):
     # One compiled graph per static key (scheme, bits, ...), dynamic in the size: a
     # flat FSDP shard changes length per parameter group, and recompiling per size
     # would cost seconds per call. The lock keeps two threads from compiling at once.
-    compiled = torch.compile(functools.partial(fn, **static), dynamic=True)
+    # Dynamo caches compiled graphs on the code object it runs, at most 8 per code object
+    # (recompile_limit) before it silently falls back to eager, and a partial would be
+    # run through one shared wrapper: a group with three collectives, two dtypes and two
+    # ops would pass that. A copy of the function with its own code object, the static
+    # key baked in as keyword defaults, gives every configuration its own cache.
+    fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                               fn.__defaults__, fn.__closure__)
+    fresh.__kwdefaults__ = {**(fn.__kwdefaults__ or {}), **static}
+    compiled = torch.compile(fresh, dynamic=True)
 
     def run(*args, **kwargs):
         with _compile_lock:
