@@ -1,0 +1,41 @@
+"""``python -m bench <what> [options]``: one entry point for every benchmark.
+
+    python -m bench codec                       # quantize/dequantize vs memcpy
+    python -m bench collectives                 # ranks on loopback (self-launched)
+    python -m bench collectives --link 1gbit    # two namespaces behind a shaped link
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from . import codec, collectives
+
+
+def parser() -> argparse.ArgumentParser:
+    on_gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    for name, module in (("codec", codec), ("collectives", collectives)):
+        q = sub.add_parser(name, help=module.__doc__.splitlines()[0],
+                           description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(q, on_gpu)
+        q.add_argument("--out", default=None,
+                       help="results folder (default bench/results/<machine>/)")
+        q.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
+        q.set_defaults(main=module.main)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return args.main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

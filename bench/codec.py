@@ -1,0 +1,243 @@
+"""``python -m bench codec``: quantize and dequantize throughput against memcpy.
+
+Providers, side by side on the same tensors:
+
+- ``triton``: the fused kernels (``impl="triton"``); CUDA only (the CPU interpreter is
+  a correctness tool, not a speed path, so it is skipped there).
+- ``torch``: ``torch.compile`` of :mod:`qcomm.reference` (``impl="torch"``), compiled
+  once per config before the timed loop. On CPU this *is* qcomm's data path; on GPU
+  it is the baseline the Triton kernels must beat.
+- ``eager``: the reference uncompiled (off by default: slow).
+- ``memcpy``: ``dst.copy_(src)`` of the source tensor, the bandwidth ceiling.
+
+GB/s counts the bytes an op must move, the same for every provider: quantize reads
+``n * itemsize`` and writes the payload (``packed_nbytes``: header, scales, codes);
+dequantize reads the payload and writes ``n * itemsize``; memcpy reads and writes
+``n * itemsize``. ``frac`` is a provider's GB/s over memcpy's at the same size and
+dtype. Targets: CPU path >= 0.8x memcpy; GPU (Triton) >= 0.9x memcpy and faster than
+the compiled reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import dataclass
+
+import torch
+
+import qcomm
+from qcomm.config import SCHEMES, QuantConfig
+
+from . import common
+from .common import Column
+
+IMPLS = ("triton", "torch", "eager")
+OPS = ("quantize", "dequantize")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Targets of issue 4, as fractions of memcpy bandwidth at sizes >= TARGET_MIN_NUMEL
+# (below it, launch and Python overhead dominate and no codec can reach them).
+TARGET_FRAC = {"cpu": 0.8, "cuda": 0.9}
+TARGET_MIN_NUMEL = 1 << 22
+
+
+@dataclass(frozen=True)
+class Point:
+    """One cell of the sweep: a config at a size and dtype."""
+
+    dtype: str
+    scheme: str
+    bits: int
+    numel: int
+
+
+def sweep(sizes, bits, schemes, dtypes) -> list[Point]:
+    """The declarative sweep, ordered so one config's sizes run together (one compile)."""
+    return [Point(d, s, b, n) for d in dtypes for s in schemes for b in bits for n in sizes]
+
+
+def available_impls(device: torch.device, wanted: list[str]) -> tuple[list[str], list[str]]:
+    """(impls that run here, notes on the ones skipped)."""
+    run, notes = [], []
+    for impl in wanted:
+        if impl == "triton" and device.type != "cuda":
+            notes.append("triton skipped: no CUDA (the CPU interpreter is not a speed path)")
+        else:
+            run.append(impl)
+    return run, notes
+
+
+class Inputs:
+    """One source tensor (and its copy/decode targets) per (dtype, size), made once."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._cache: dict = {}
+
+    def get(self, dtype: str, numel: int):
+        key = (dtype, numel)
+        if key not in self._cache:
+            self._cache.clear()  # one size at a time: 2^28 fp32 elements are 1 GiB
+            g = torch.Generator(device=self.device).manual_seed(numel)
+            x = torch.randn(numel, generator=g, device=self.device).to(DTYPES[dtype])
+            self._cache[key] = (x, torch.empty_like(x))
+        return self._cache[key]
+
+
+def _row(point: Point, op: str) -> dict:
+    return {"op": op, "dtype": point.dtype, "scheme": point.scheme, "bits": point.bits,
+            "numel": point.numel}
+
+
+@torch.no_grad()  # as the collectives call the codec (grad mode is part of a compile's key)
+def run(args) -> list[dict]:
+    device = torch.device(args.device)
+    sync = common.sync_fn(device)
+    impls, notes = available_impls(device, args.impls)
+    inputs = Inputs(device)
+    rows: list[dict] = []
+    memcpy_s: dict = {}
+    points = sweep(args.sizes, args.bits, args.schemes, args.dtypes)
+    for i, p in enumerate(points):
+        x, y = inputs.get(p.dtype, p.numel)
+        itemsize = x.element_size()
+        if (p.dtype, p.numel) not in memcpy_s:
+            memcpy_s[p.dtype, p.numel] = common.measure(
+                lambda: y.copy_(x), iters=args.iters, budget_s=args.budget, sync=sync)
+        copy_gbps = common.gbps(2 * p.numel * itemsize, memcpy_s[p.dtype, p.numel])
+        config = QuantConfig(bits=p.bits, scheme=p.scheme)
+        payload = torch.empty(qcomm.packed_nbytes(p.numel, config), dtype=torch.uint8,
+                              device=device)
+        moved = p.numel * itemsize + payload.numel()
+        rq, rd = _row(p, "quantize"), _row(p, "dequantize")
+        for row in (rq, rd):
+            row.update(bytes=moved, memcpy_gbps=copy_gbps)
+        for impl in impls:
+            packed = qcomm.quantize(x, config, seed=1, impl=impl, out=payload)  # compiles
+            tq = common.measure(lambda: qcomm.quantize(x, config, seed=1, impl=impl,
+                                                       out=payload),
+                                iters=args.iters, budget_s=args.budget, sync=sync)
+            td = common.measure(lambda: qcomm.dequantize(packed, out=y, impl=impl, check=False),
+                                iters=args.iters, budget_s=args.budget, sync=sync)
+            for row, t in ((rq, tq), (rd, td)):
+                row[f"{impl}_us"] = t * 1e6
+                row[f"{impl}_gbps"] = common.gbps(moved, t)
+                row[f"{impl}_frac"] = row[f"{impl}_gbps"] / copy_gbps
+        if "triton" in impls and "torch" in impls:
+            for row in (rq, rd):
+                row["triton_vs_torch"] = row["torch_us"] / row["triton_us"]
+        rows += [rq, rd]
+        print(f"# [{i + 1}/{len(points)}] {p}", file=sys.stderr, flush=True)
+    for note in notes:
+        print(f"# {note}", file=sys.stderr)
+    rows.sort(key=lambda r: (OPS.index(r["op"]), r["dtype"], r["scheme"], r["bits"], r["numel"]))
+    return rows
+
+
+def columns(impls: list[str]) -> list[Column]:
+    cols = [Column("op", "op"), Column("dtype", "dtype"), Column("scheme", "scheme"),
+            Column("bits", "bits"), Column("numel", "elements"),
+            Column("bytes", "bytes moved"), Column("memcpy_gbps", "memcpy GB/s", "{:.2f}")]
+    for impl in impls:
+        cols += [Column(f"{impl}_us", f"{impl} us", "{:.1f}"),
+                 Column(f"{impl}_gbps", f"{impl} GB/s", "{:.2f}"),
+                 Column(f"{impl}_frac", f"{impl}/memcpy", "{:.2f}")]
+    if "triton" in impls and "torch" in impls:
+        cols.append(Column("triton_vs_torch", "triton speedup vs compiled", "{:.2f}x"))
+    return cols
+
+
+def summary(rows: list[dict], impls: list[str], device: torch.device) -> list[str]:
+    """One line per provider and op: median fraction of memcpy at large sizes vs target."""
+    target = TARGET_FRAC["cuda" if device.type == "cuda" else "cpu"]
+    lines = []
+    for impl in impls:
+        for op in OPS:
+            fracs = [r[f"{impl}_frac"] for r in rows
+                     if r["op"] == op and r["numel"] >= TARGET_MIN_NUMEL]
+            if fracs:
+                med = statistics.median(fracs)
+                lines.append(
+                    f"# {impl:6s} {op:10s}: median {med:.2f}x memcpy at >= "
+                    f"{TARGET_MIN_NUMEL} elements (target {target}x: "
+                    f"{'met' if med >= target else 'NOT met'}; min {min(fracs):.2f}, "
+                    f"max {max(fracs):.2f})")
+    return lines
+
+
+def plot(folder, rows: list[dict], impls: list[str], header: dict):
+    """GB/s vs size: one panel per op, a line per provider and bits (first dtype, scheme)."""
+    if not rows:
+        return None
+    dtype, scheme = rows[0]["dtype"], rows[0]["scheme"]
+    panels = {}
+    for op in OPS:
+        sel = [r for r in rows if r["op"] == op and r["dtype"] == dtype and r["scheme"] == scheme]
+        series = {}
+        for bits in sorted({r["bits"] for r in sel}):
+            pts = [r for r in sel if r["bits"] == bits]
+            for impl in impls:
+                series[f"{impl} {bits}b"] = ([r["numel"] for r in pts],
+                                             [r[f"{impl}_gbps"] for r in pts])
+        first = [r for r in sel if r["bits"] == sel[0]["bits"]] if sel else []
+        series["memcpy"] = ([r["numel"] for r in first], [r["memcpy_gbps"] for r in first])
+        panels[f"{op} ({dtype}, {scheme})"] = series
+    return common.plot_lines(
+        folder / "codec.png", panels, xlabel="elements", ylabel="GB/s (bytes read + written)",
+        suptitle=f"qcomm codec on {common.machine_name(header)} (torch {header['versions']['torch']})",
+        logy=True)
+
+
+def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
+    p.add_argument("--sizes", type=common.arg(common.parse_sizes), default=common.parse_sizes(
+        "16..28" if on_gpu else "16..26"),
+        help="element counts: LO..HI[:STEP] powers of two, 2^K, or counts "
+             "(default 16..26 on CPU, 16..28 on GPU)")
+    p.add_argument("--bits", type=common.arg(parse_bits), default=[2, 4, 8],
+                   help="comma list of bit widths, 1..8 (default 2,4,8)")
+    p.add_argument("--schemes", type=common.arg(lambda s: common.parse_list(s, SCHEMES, "--schemes")),
+                   default=list(SCHEMES) if on_gpu else ["minmax"],
+                   help="comma list or 'all' (default: all on GPU, minmax on CPU)")
+    p.add_argument("--dtypes", type=common.arg(lambda s: common.parse_list(s, list(DTYPES), "--dtypes")),
+                   default=list(DTYPES) if on_gpu else ["float32", "bfloat16"],
+                   help="comma list or 'all' (default: all on GPU, float32,bfloat16 on CPU)")
+    p.add_argument("--impls", type=common.arg(lambda s: common.parse_list(s, IMPLS, "--impls")),
+                   default=["triton", "torch"], help="providers besides memcpy (triton runs "
+                   "on CUDA only; 'eager' is the uncompiled reference)")
+    p.add_argument("--iters", type=int, default=20, help="timed calls per point (median)")
+    p.add_argument("--budget", type=float, default=1.0,
+                   help="seconds per point; fewer iterations (>= 3) for slow points")
+    p.add_argument("--device", default="cuda" if on_gpu else "cpu")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default torch's: one per core). On a shared "
+                        "machine an OpenMP barrier waits for a descheduled thread, ~4 ms a "
+                        "call; --threads 1 measures one core without that noise")
+
+
+def parse_bits(text: str) -> list[int]:
+    bits = [int(b) for b in text.split(",") if b.strip()]
+    for b in bits:
+        QuantConfig(bits=b)  # ValueError naming a bad width
+    return bits
+
+
+def main(args) -> int:
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    header = common.run_header("codec", device=str(device))
+    header["cpu"]["torch_threads"] = torch.get_num_threads()
+    header["sweep"] = {"sizes": args.sizes, "bits": args.bits, "schemes": args.schemes,
+                       "dtypes": args.dtypes, "iters": args.iters, "budget_s": args.budget}
+    print(common.format_header(header), flush=True)
+    rows = run(args)
+    impls, _ = available_impls(device, args.impls)
+    folder = common.report("codec", header, columns(impls), rows, args.out, "codec")
+    for line in summary(rows, impls, device):
+        print(line)
+    if not args.no_plot:
+        png = plot(folder, rows, impls, header)
+        if png:
+            print(f"# wrote {png}", file=sys.stderr)
+    return 0

@@ -1,0 +1,444 @@
+"""``python -m bench collectives``: all-gather, reduce-scatter and all-reduce, exact vs
+qcomm at 8/4/2 bits vs a plain bf16 cast, in nccl-tests' layout.
+
+The ranks are started by the benchmark itself (:func:`bench.link.run_ranks`): on
+loopback, or with ``--link RATE`` as two hosts (network namespaces) joined by a link
+shaped to RATE. Several rates (``--link loopback,1gbit,100mbit``) run one after the
+other and add a plot of the speedup over exact against the link rate.
+
+Columns, as nccl-tests defines them (``W`` ranks, ``t`` the median time per call):
+
+- ``size``: bytes of the full buffer (all-gather output, reduce-scatter input,
+  all-reduce tensor); ``count``: elements per rank's input (all-gather) or output
+  (reduce-scatter), elements of the tensor (all-reduce); ``type``: the element type.
+- ``algbw = size / t``; ``busbw = algbw * (W-1)/W`` (all-gather, reduce-scatter) or
+  ``* 2(W-1)/W`` (all-reduce): the rate each rank's link really carries for exact.
+
+Extra columns: ``wire`` (bytes one rank sends its peers per call, qcomm.stats'
+definition; the same for exact gives ``size * factor``), ``ratio`` (exact wire /
+wire), ``speedup`` (exact time / time), ``rel_err`` (``|y - y_exact| / |y_exact|``
+against the exact fp32 result), and for qcomm the phases timed on their own:
+``quant``, ``xfer`` (the inner collectives on the payload bytes) and ``dequant``
+(all codec calls of one collective), so a shortfall shows where the time went.
+
+Each point: warm-up calls, then the median of ``--iters`` timed calls (fewer, never
+under 3, when one point would exceed ``--budget`` seconds); every timed call starts
+after a barrier and counts as the slowest rank's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import common
+from .common import Column
+from .link import LinkError, ShapedLink, parse_rate, pin_this_rank, run_ranks
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+BUS_FACTOR = {"all_gather": lambda w: (w - 1) / w, "reduce_scatter": lambda w: (w - 1) / w,
+              "all_reduce": lambda w: 2 * (w - 1) / w}
+VARIANTS = ("exact", "qcomm8", "qcomm4", "qcomm2", "bf16")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Issue 4's target: at >= 16 MiB over a slow link, speedup >= 0.9 x compression ratio.
+TARGET_MIN_BYTES = 16 << 20
+TARGET_FRACTION = 0.9
+
+
+# --------------------------------------------------------------------------- ranks
+
+
+@dataclass
+class Case:
+    """One collective at one size on this rank: its input, output and exact answer."""
+
+    coll: str
+    numel: int  # elements of the full buffer (nccl-tests' size / itemsize)
+    world: int
+    rank: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        g = torch.Generator().manual_seed(1000 * self.rank + self.numel)
+        shard = self.numel // self.world
+        n_in = shard if self.coll == "all_gather" else self.numel
+        self.inp = torch.randn(n_in, generator=g).to(self.dtype)
+        n_out = shard if self.coll == "reduce_scatter" else self.numel
+        self.out = torch.empty(n_out, dtype=self.dtype)
+        self.count = self.numel if self.coll == "all_reduce" else shard
+
+    def reset(self) -> None:
+        """all_reduce works in place: restore its input before each call."""
+        if self.coll == "all_reduce":
+            self.out.copy_(self.inp)
+
+
+def _exact(case: Case, group, dist) -> Callable[[], None]:
+    if case.coll == "all_gather":
+        return lambda: dist.all_gather_into_tensor(case.out, case.inp, group=group)
+    if case.coll == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(case.out, case.inp, group=group)
+    return lambda: dist.all_reduce(case.out, group=group)
+
+
+def _bf16(case: Case, group, dist) -> Callable[[], None]:
+    """Cast to bf16, the exact collective in bf16, cast back: the naive 2x."""
+    low_in = torch.empty_like(case.inp, dtype=torch.bfloat16)
+    low_out = torch.empty_like(case.out, dtype=torch.bfloat16)
+
+    def call():
+        if case.coll == "all_reduce":
+            low_out.copy_(case.out)
+            dist.all_reduce(low_out, group=group)
+        else:
+            low_in.copy_(case.inp)
+            if case.coll == "all_gather":
+                dist.all_gather_into_tensor(low_out, low_in, group=group)
+            else:
+                dist.reduce_scatter_tensor(low_out, low_in, group=group)
+        case.out.copy_(low_out)
+
+    return call
+
+
+def _qcomm(case: Case, group, bits: int) -> Callable[[], None]:
+    import qcomm
+
+    config = qcomm.QuantConfig(bits=bits)
+    if case.coll == "all_gather":
+        return lambda: qcomm.all_gather_into_tensor(case.out, case.inp, group, config=config)
+    if case.coll == "reduce_scatter":
+        return lambda: qcomm.reduce_scatter_tensor(case.out, case.inp, group=group,
+                                                   config=config)
+    return lambda: qcomm.all_reduce(case.out, group=group, config=config)
+
+
+def _phases(case: Case, group, dist, bits: int) -> dict[str, Callable[[], None]]:
+    """qcomm's steps of one collective (collectives.py's algorithms), one callable per
+    phase: every quantize, every inner transfer of payload bytes, every dequantize."""
+    import qcomm
+
+    q = qcomm.QuantConfig(bits=bits)
+    w, r = case.world, case.rank
+    chunk = -(-case.numel // w)
+    x = torch.randn(chunk, dtype=case.dtype)
+    nb = qcomm.packed_nbytes(chunk, q)
+    send = torch.empty(w, nb, dtype=torch.uint8)
+    recv = torch.empty(w, nb, dtype=torch.uint8)
+    for j in range(w):
+        qcomm.quantize(x, q, seed=j, out=send[j])
+    acc = torch.zeros(chunk, dtype=torch.float32)
+    y = torch.empty(chunk, dtype=case.dtype)
+    peers = [j for j in range(w) if j != r]
+
+    def packed(j):
+        return qcomm.Packed(recv[j] if nb % 4 == 0 else recv[j].clone(), chunk, case.dtype, q)
+
+    def quant(js):
+        for j in js:
+            qcomm.quantize(x, q, seed=j, out=send[j])
+
+    def gather():
+        dist.all_gather_into_tensor(recv.view(-1), send[r], group=group)
+
+    def all_to_all():
+        dist.all_to_all_single(recv.view(-1), send.view(-1), group=group)
+
+    def decode_all():
+        for j in range(w):
+            qcomm.dequantize(packed(j), out=y, check=False)
+
+    def accumulate():
+        for j in peers:
+            qcomm.dequantize(packed(j), out=acc, accumulate=True, check=False)
+
+    if case.coll == "all_gather":
+        return {"quant": lambda: quant([r]), "xfer": gather, "dequant": decode_all}
+    if case.coll == "reduce_scatter":
+        return {"quant": lambda: quant(peers), "xfer": all_to_all, "dequant": accumulate}
+    return {"quant": lambda: quant(peers + [r]),
+            "xfer": lambda: (all_to_all(), gather()),
+            "dequant": lambda: (accumulate(), decode_all())}
+
+
+class Timer:
+    """The one timing loop of every rank: warm-up, barrier before each call, the slowest
+    rank's time per call, median; the iteration count agreed by all ranks."""
+
+    def __init__(self, group, dist, iters: int, warmup: int, budget_s: float):
+        self.group, self.dist = group, dist
+        self.iters, self.warmup, self.budget = iters, warmup, budget_s
+
+    def _max(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
+
+    def __call__(self, fn: Callable[[], object], before: Callable[[], None] | None = None):
+        def barrier_then():
+            if before is not None:
+                before()
+            self.dist.barrier(group=self.group)
+
+        warm = common.time_calls(fn, max(1, self.warmup), before=barrier_then)
+        estimate = self._max([min(warm)])[0]
+        n = common.plan_iters(estimate, self.iters, self.budget)
+        return statistics.median(self._max(common.time_calls(fn, n, before=barrier_then)))
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.float()
+    return ((y.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+@torch.no_grad()  # as the collectives run: the compiled codec recompiles on grad mode
+def worker(spec: dict) -> None:
+    """One rank: run the sweep; rank 0 writes the rows to ``spec["result"]``."""
+    import torch.distributed as dist
+
+    import qcomm
+
+    pin_this_rank()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec["op_timeout"]))
+    group = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = DTYPES[spec["dtype"]]
+    timer = Timer(group, dist, spec["iters"], spec["warmup"], spec["budget"])
+    rows = []
+    for coll in spec["collectives"]:
+        for numel in spec["sizes"]:
+            case = Case(coll, numel, world, rank, dtype)
+            case.reset()
+            _exact(case, group, dist)()
+            ref = case.out.clone()  # the exact fp32 answer for rel_err
+            size = numel * case.inp.element_size()
+            exact_wire = int(size * BUS_FACTOR[coll](world))
+            exact_t = None
+            for variant in spec["variants"]:
+                bits = int(variant[5:]) if variant.startswith("qcomm") else None
+                if variant == "exact":
+                    fn = _exact(case, group, dist)
+                elif variant == "bf16":
+                    fn = _bf16(case, group, dist)
+                else:
+                    fn = _qcomm(case, group, bits)
+                t = timer(fn, before=case.reset)
+                case.reset()
+                qcomm.stats(group, reset=True)
+                fn()
+                err = _rel_err(case.out, ref)
+                row = {"collective": coll, "variant": variant, "size": size,
+                       "count": case.count, "type": spec["dtype"], "time_us": t * 1e6,
+                       "algbw": size / t / 1e9, "busbw": size / t / 1e9 * BUS_FACTOR[coll](world),
+                       "rel_err": err, "world": world, "link": spec["link"]}
+                if bits is not None:
+                    s = qcomm.stats(group, reset=True)[coll]
+                    row["wire"] = s.wire_bytes
+                    row["compressed"] = s.calls_compressed > 0
+                    if spec["phases"] and row["compressed"]:
+                        for name, phase in _phases(case, group, dist, bits).items():
+                            row[f"{name}_us"] = timer(phase) * 1e6
+                else:
+                    itemsize = case.inp.element_size()
+                    row["wire"] = exact_wire * 2 // itemsize if variant == "bf16" else exact_wire
+                row["ratio"] = exact_wire / row["wire"] if row["wire"] else float("nan")
+                if variant == "exact":
+                    exact_t = t
+                if exact_t is not None:
+                    row["speedup"] = exact_t / t
+                rows.append(row)
+            if rank == 0:
+                print(f"# {spec['link']}: {coll} {common.human_bytes(size)} done",
+                      file=sys.stderr, flush=True)
+    dist.barrier(group=group)
+    if rank == 0:
+        Path(spec["result"]).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def columns(phases: bool) -> list[Column]:
+    cols = [Column("size", "size"), Column("count", "count"), Column("type", "type"),
+            Column("variant", "variant"), Column("time_us", "time(us)", "{:.1f}"),
+            Column("algbw", "algbw(GB/s)", "{:.3f}"), Column("busbw", "busbw(GB/s)", "{:.3f}"),
+            Column("wire", "wire(B)"), Column("ratio", "ratio", "{:.2f}x"),
+            Column("speedup", "speedup", "{:.2f}x"), Column("rel_err", "rel_err", "{:.2e}")]
+    if phases:
+        cols += [Column("quant_us", "quant(us)", "{:.1f}"), Column("xfer_us", "xfer(us)", "{:.1f}"),
+                 Column("dequant_us", "dequant(us)", "{:.1f}")]
+    return cols
+
+
+def target_lines(rows: list[dict]) -> list[str]:
+    """Issue 4's target per qcomm variant: speedup >= 0.9 x ratio at >= 16 MiB."""
+    lines = []
+    for row in rows:
+        if (row["variant"].startswith("qcomm") and row["size"] >= TARGET_MIN_BYTES
+                and row.get("speedup") and row.get("compressed")):
+            frac = row["speedup"] / row["ratio"]
+            where = ""
+            if "quant_us" in row:
+                where = (f"; quant {row['quant_us'] / 1e3:.1f} ms, xfer "
+                         f"{row['xfer_us'] / 1e3:.1f} ms, dequant {row['dequant_us'] / 1e3:.1f} ms"
+                         f" of {row['time_us'] / 1e3:.1f} ms")
+            lines.append(
+                f"# {row['link']:>8} {row['collective']:14s} {common.human_bytes(row['size']):>9} "
+                f"{row['variant']}: speedup {row['speedup']:.2f}x / ratio {row['ratio']:.2f}x = "
+                f"{frac:.2f} ({'met' if frac >= TARGET_FRACTION else 'short'}){where}")
+    return lines
+
+
+def plot_busbw(folder: Path, stem: str, rows: list[dict], header: dict):
+    panels = {}
+    for coll in COLLECTIVES:
+        sel = [r for r in rows if r["collective"] == coll]
+        if sel:
+            panels[coll] = {v: ([r["size"] for r in sel if r["variant"] == v],
+                                [r["busbw"] for r in sel if r["variant"] == v])
+                            for v in dict.fromkeys(r["variant"] for r in sel)}
+    return common.plot_lines(
+        folder / f"{stem}.png", panels, xlabel="size (bytes)", ylabel="bus bandwidth (GB/s)",
+        suptitle=f"qcomm collectives, {header['link']}, {rows[0]['world']} ranks, "
+                 f"{common.machine_name(header)}", logy=True)
+
+
+def plot_speedup(folder: Path):
+    """Speedup over exact vs link rate at the largest size of each run, from every
+    ``collectives-*.json`` in ``folder`` (loopback drawn as the fastest rate)."""
+    runs = []
+    for path in sorted(folder.glob("collectives-*.json")):
+        data = json.loads(path.read_text())
+        parsed = parse_rate(data["header"]["link"])
+        runs.append((parsed[1] if parsed else None, data["rows"]))
+    if len(runs) < 2:
+        return None
+    fastest = max((r for r, _ in runs if r), default=10**9)
+    runs = [(r if r else fastest * 10, rows) for r, rows in runs]
+    runs.sort(key=lambda item: item[0])
+    panels = {}
+    for coll in COLLECTIVES:
+        series = {}
+        for rate, rows in runs:
+            sel = [r for r in rows if r["collective"] == coll and r.get("speedup")]
+            if not sel:
+                continue
+            biggest = max(r["size"] for r in sel)
+            for r in sel:
+                if r["size"] == biggest and r["variant"] != "exact":
+                    xs, ys = series.setdefault(f"{r['variant']} ({common.human_bytes(biggest)})",
+                                               ([], []))
+                    xs.append(rate / 1e6)
+                    ys.append(r["speedup"])
+        if series:
+            panels[coll] = series
+    return common.plot_lines(
+        folder / "speedup-vs-link.png", panels, xlabel="link rate (Mbit/s; rightmost: loopback)",
+        ylabel="speedup over exact", suptitle="qcomm speedup vs link rate", hline=1.0)
+
+
+def run_one(args, rate: str | None) -> Path:
+    """Launch the ranks for one link rate; print and write the results."""
+    tag = rate or "loopback"
+    header = common.run_header("collectives", device="cpu (gloo)", link=tag)
+    header["sweep"] = {"sizes": args.sizes, "collectives": args.collectives,
+                       "variants": args.variants, "iters": args.iters, "warmup": args.warmup,
+                       "budget_s": args.budget, "world": args.world, "dtype": args.dtype}
+    print(common.format_header(header), flush=True)
+    with tempfile.TemporaryDirectory(prefix="qcomm-bench-") as tmp:
+        spec = {"sizes": args.sizes, "collectives": args.collectives,
+                "variants": args.variants, "iters": args.iters, "warmup": args.warmup,
+                "budget": args.budget, "dtype": args.dtype, "phases": not args.no_phases,
+                "link": tag, "op_timeout": args.op_timeout,
+                "result": str(Path(tmp) / "rows.json")}
+        spec_path = Path(tmp) / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        argv = ["-m", "bench.collectives", "--worker", str(spec_path)]
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(common.ROOT),
+                                                           os.environ.get("PYTHONPATH")]))}
+        if rate is None:
+            run_ranks(argv, args.world, timeout_s=args.timeout, env=env)
+        else:
+            with ShapedLink(rate) as link:
+                run_ranks(argv, args.world, link=link, timeout_s=args.timeout, env=env)
+        rows = json.loads(Path(spec["result"]).read_text())
+    cols = columns(not args.no_phases)
+    folder = common.results_dir(args.out, header)
+    for coll in args.collectives:
+        print(f"\n# {coll}, {args.world} ranks, link {tag}")
+        print(common.format_table(cols, [r for r in rows if r["collective"] == coll]))
+    common.write_results(folder, f"collectives-{tag}", header, cols, rows)
+    print(f"# wrote {folder}/collectives-{tag}.json, .csv", file=sys.stderr)
+    for line in target_lines(rows):
+        print(line)
+    if not args.no_plot and plot_busbw(folder, f"collectives-{tag}", rows, header):
+        print(f"# wrote {folder}/collectives-{tag}.png", file=sys.stderr)
+    return folder
+
+
+def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
+    p.add_argument("--link", type=common.arg(parse_links), default=[None],
+                   help="comma list of link rates (100mbit, 1gbit, ...) or loopback; "
+                        "a rate runs the ranks in two network namespaces (needs root)")
+    p.add_argument("--world", type=common.arg(parse_world), default=2, help="ranks (split over the two hosts)")
+    p.add_argument("--sizes", type=common.arg(common.parse_sizes), default=common.parse_sizes("10..26:2"),
+                   help="elements of the full buffer: LO..HI[:STEP] powers of two, 2^K, counts "
+                        "(default 10..26:2)")
+    p.add_argument("--collectives", type=common.arg(
+        lambda s: common.parse_list(s, COLLECTIVES, "--collectives")), default=list(COLLECTIVES))
+    p.add_argument("--variants", type=common.arg(
+        lambda s: common.parse_list(s, VARIANTS, "--variants")),
+                   default=list(VARIANTS), help="exact first: the others' speedup is over it")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--iters", type=int, default=10, help="timed calls per point (median)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--budget", type=float, default=5.0,
+                   help="seconds per point; fewer iterations (>= 3) for slow points")
+    p.add_argument("--no-phases", action="store_true",
+                   help="skip timing quantize / transfer / dequantize separately")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per link rate, all in")
+    p.add_argument("--op-timeout", type=float, default=600,
+                   help="seconds one collective may block before the ranks fail")
+
+
+def parse_links(text: str) -> list[str | None]:
+    """``"loopback,1gbit"`` -> ``[None, "1gbit"]``; ValueError on a bad rate."""
+    rates = [t.strip() for t in text.split(",") if t.strip()] or ["loopback"]
+    return [None if parse_rate(r) is None else parse_rate(r)[0] for r in rates]
+
+
+def parse_world(text: str) -> int:
+    world = int(text)
+    if world < 2:
+        raise ValueError(f"--world must be >= 2, got {world}")
+    return world
+
+
+def main(args) -> int:
+    folder = None
+    for rate in args.link:
+        try:
+            folder = run_one(args, rate)
+        except LinkError as err:
+            print(f"python -m bench collectives: {err}", file=sys.stderr)
+            return 2
+    if folder is not None and not args.no_plot and len(args.link) > 1:
+        png = plot_speedup(folder)
+        if png:
+            print(f"# wrote {png}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
+    worker(json.loads(Path(sys.argv[2]).read_text()))

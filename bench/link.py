@@ -1,0 +1,255 @@
+"""Ranks as separate processes, on loopback or as two "hosts" behind a shaped link.
+
+:class:`ShapedLink` builds two network namespaces joined by a veth pair, each end
+shaped by ``tc tbf`` to the rate (NOTES.md, "Slow links on one machine")::
+
+    netns qcb<pid>a                          netns qcb<pid>b
+    [ranks 0 .. w/2-1] qva 198.18.0.1/24 <-veth, tbf RATE each way-> qvb 198.18.0.2/24 [ranks w/2 ..]
+
+Addresses come from 198.18.0.0/15 (RFC 2544, benchmarking) and only these two
+namespaces' own addresses are ever a target; the namespaces have no route out. Both
+namespaces are deleted on exit, on an error, on Ctrl-C and on SIGTERM/SIGHUP (which
+this module turns into an exception while a link is up), and once more at interpreter
+exit in case the process was torn down another way.
+
+:func:`run_ranks` starts the ranks itself (no torchrun needed), bounded by a timeout:
+on expiry, or as soon as one rank fails, every rank's process group is killed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_RATE = re.compile(r"(\d+(?:\.\d+)?)([kmg]?)(bit|bps)", re.IGNORECASE)
+_UNIT = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
+# tc tbf bucket: 2 ms of the rate, at least 64 KiB (one veth GSO packet). NOTES.md's
+# 1 MB bucket let a whole 0.5 MB payload through unshaped at 100 Mbit/s (an all-gather
+# 10x faster than exact at 4x fewer bytes); 2 ms of rate keeps that error under 2% for
+# messages >= 16 MiB.
+TBF_BURST_S = 0.002
+TBF_MIN_BURST = 64 << 10
+# Queue before drops. Both directions carry data at once, so each side's ACKs wait
+# behind that queue: measured here (8 MiB/rank gloo all-gather, 2 ranks) 100 Mbit/s gave
+# 63 Mbit/s at 5 ms, 91 at 20 ms, 71 at 100 ms (NOTES.md's); 1 Gbit/s ~730 at each
+# (CPU-bound on 2 cores).
+TBF_LATENCY = "20ms"
+ADDRS = ("198.18.0.1", "198.18.0.2")
+
+
+class LinkError(RuntimeError):
+    """The shaped link could not be set up (not root, no iproute2, ...)."""
+
+
+def parse_rate(text: str | None) -> tuple[str, int] | None:
+    """``"1gbit"`` -> ``("1gbit", 10**9)``; ``None``/``"loopback"``/``"none"`` -> None."""
+    if text is None or text.strip().lower() in ("", "loopback", "lo", "none"):
+        return None
+    m = _RATE.fullmatch(text.strip())
+    if not m:
+        raise ValueError(f"bad link rate {text!r}: use e.g. 100mbit, 1gbit, 2.5gbit or loopback")
+    bits = float(m[1]) * _UNIT[m[2].lower()] * (8 if m[3].lower() == "bps" else 1)
+    if not 10**5 <= bits <= 10**11:
+        raise ValueError(f"link rate {text!r} out of range 100kbit..100gbit")
+    return text.strip().lower(), int(bits)
+
+
+@dataclass(frozen=True)
+class Host:
+    netns: str | None  # namespace name; None is the machine itself (loopback)
+    ifname: str  # the interface gloo binds (GLOO_SOCKET_IFNAME)
+    addr: str  # this host's address
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        return argv if self.netns is None else ["ip", "netns", "exec", self.netns, *argv]
+
+
+LOOPBACK = Host(None, "lo", "127.0.0.1")
+
+
+def _ip(*args: str) -> None:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if proc.returncode:
+        raise LinkError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip()}")
+
+
+def _tc(netns: str, *args: str) -> None:
+    proc = subprocess.run(["ip", "netns", "exec", netns, "tc", *args],
+                          capture_output=True, text=True, timeout=30)
+    if proc.returncode:
+        raise LinkError(f"`tc {' '.join(args)}` in {netns} failed: {proc.stderr.strip()}")
+
+
+def _netns_exists(name: str) -> bool:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
+    return any(line.split()[0] == name for line in out.stdout.splitlines() if line.strip())
+
+
+def _raise_signal(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+class ShapedLink:
+    """Two namespaces joined by a veth pair shaped to ``rate`` each way (a context manager)."""
+
+    def __init__(self, rate: str):
+        parsed = parse_rate(rate)
+        if parsed is None:
+            raise ValueError("ShapedLink needs a rate; run on loopback without one")
+        self.rate, self.bits_per_s = parsed
+        self.burst_bytes = max(TBF_MIN_BURST, int(self.bits_per_s / 8 * TBF_BURST_S))
+        tag = f"qcb{os.getpid()}"
+        self.hosts = (Host(f"{tag}a", "qva", ADDRS[0]), Host(f"{tag}b", "qvb", ADDRS[1]))
+        self._old_handlers: dict = {}
+
+    def __enter__(self) -> ShapedLink:
+        if os.geteuid() != 0:
+            raise LinkError("--link needs root (network namespaces and tc); run as root, or "
+                            "drop --link to run the ranks on loopback")
+        for tool in ("ip",):
+            if shutil.which(tool) is None:
+                raise LinkError(f"--link needs `{tool}` (iproute2), not found on PATH")
+        for host in self.hosts:
+            if _netns_exists(host.netns):
+                raise LinkError(f"network namespace {host.netns} already exists")
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            self._old_handlers[sig] = signal.signal(sig, _raise_signal)
+        atexit.register(self.teardown)
+        try:
+            self._setup()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def _setup(self) -> None:
+        a, b = self.hosts
+        _ip("netns", "add", a.netns)
+        _ip("netns", "add", b.netns)
+        _ip("link", "add", a.ifname, "netns", a.netns, "type", "veth",
+            "peer", "name", b.ifname, "netns", b.netns)
+        for host in self.hosts:
+            _ip("-n", host.netns, "addr", "add", f"{host.addr}/24", "dev", host.ifname)
+            _ip("-n", host.netns, "link", "set", host.ifname, "up")
+            _ip("-n", host.netns, "link", "set", "lo", "up")
+            _tc(host.netns, "qdisc", "add", "dev", host.ifname, "root", "tbf",
+                "rate", self.rate, "burst", str(self.burst_bytes), "latency", TBF_LATENCY)
+
+    def teardown(self) -> None:
+        """Delete both namespaces (and with them the veth pair); safe to call twice."""
+        for host in self.hosts:
+            subprocess.run(["ip", "netns", "del", host.netns], capture_output=True, timeout=30)
+        for sig, old in self._old_handlers.items():
+            signal.signal(sig, old)
+        self._old_handlers.clear()
+        atexit.unregister(self.teardown)
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+
+    def host_of(self, rank: int, world: int) -> Host:
+        """The first half of the ranks on host a, the rest on host b."""
+        return self.hosts[0] if rank < (world + 1) // 2 else self.hosts[1]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def run_ranks(argv: list[str], world: int, *, link: ShapedLink | None = None,
+              timeout_s: float = 1800, env: dict | None = None) -> None:
+    """Run ``python <argv...>`` as ``world`` ranks (env RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT, GLOO_SOCKET_IFNAME); raise on the first failing rank or at the timeout.
+
+    Rank 0's stderr (progress) goes to this process's stderr; the other ranks' output is
+    kept in files and shown when a rank fails.
+    """
+    master = link.hosts[0] if link else LOOPBACK
+    port = 29511 if link else free_port()  # a fresh namespace has every port free
+    cpus = sorted(os.sched_getaffinity(0))
+    procs: list[subprocess.Popen] = []
+    logs: list[Path] = []
+    with tempfile.TemporaryDirectory(prefix="qcomm-bench-") as tmp:
+        try:
+            for rank in range(world):
+                host = link.host_of(rank, world) if link else LOOPBACK
+                # Each rank its own slice of the cores, as on separate hosts.
+                mine = cpus[rank * len(cpus) // world:(rank + 1) * len(cpus) // world] or cpus
+                rank_env = dict(os.environ, **(env or {}), RANK=str(rank),
+                                LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                                MASTER_ADDR=master.addr, MASTER_PORT=str(port),
+                                GLOO_SOCKET_IFNAME=host.ifname,
+                                QCOMM_BENCH_CPUS=",".join(map(str, mine)),
+                                OMP_NUM_THREADS=str(len(mine)))
+                log = Path(tmp) / f"rank{rank}.log"
+                logs.append(log)
+                # fd 2: rank 0's progress and prints go to this process's stderr.
+                sink = 2 if rank == 0 else log.open("w")
+                procs.append(subprocess.Popen(
+                    host.wrap([sys.executable, *argv]), env=rank_env, cwd=os.getcwd(),
+                    stdout=sink, stderr=sink, start_new_session=True))
+            deadline = time.monotonic() + timeout_s
+            while True:
+                codes = [p.poll() for p in procs]
+                failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+                if failed:
+                    time.sleep(1)  # let the others print their side of the failure
+                    r = failed[0]
+                    raise RuntimeError(
+                        f"rank {r} exited with {codes[r]}"
+                        + "".join(f"\n--- rank {i} ---\n{_tail(logs[i])}"
+                                  for i in range(1, world)))
+                if all(c == 0 for c in codes):
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"ranks still running after {timeout_s:.0f} s (--timeout); killed"
+                        + "".join(f"\n--- rank {i} ---\n{_tail(logs[i])}"
+                                  for i in range(1, world)))
+                time.sleep(0.2)
+        finally:
+            _kill(procs)
+
+
+def pin_this_rank() -> None:
+    """In a rank: keep to the cores :func:`run_ranks` gave it (a host of its own)."""
+    import torch
+
+    cpus = os.environ.get("QCOMM_BENCH_CPUS")
+    if cpus:
+        mine = {int(c) for c in cpus.split(",")}
+        os.sched_setaffinity(0, mine)
+        torch.set_num_threads(len(mine))
