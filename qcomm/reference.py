@@ -74,9 +74,9 @@ def uniform(index: torch.Tensor, key: int | torch.Tensor) -> torch.Tensor:
     of int64 on the CPU path.
     """
     lo = index.to(torch.int32)  # truncates mod 2^32
-    hi = (index >> 32).to(torch.int32)
     h = lo * _i32(GOLDEN) + key
-    h = h ^ (hi * _i32(GOLDEN_HI))
+    if index.dtype == torch.int64:  # hi32(i) is 0 below 2^31: xor with 0 * GOLDEN_HI
+        h = h ^ ((index >> 32).to(torch.int32) * _i32(GOLDEN_HI))
     h = _fmix32(h)
     return _srl(h, 8).to(torch.float32) * (1.0 / 16777216.0)
 
@@ -123,7 +123,11 @@ def quantize_reference(
     nb = -(-n // B)
     xf = x.reshape(-1).to(torch.float32)
     xp = torch.nn.functional.pad(xf, (0, nb * B - n)).view(nb, B)
-    index = torch.arange(nb * B, device=x.device, dtype=torch.int64).view(nb, B)
+    # int32 lanes are twice as many per vector as int64 ones; element indices need 64
+    # bits only past 2^31 elements (a guard: one more compile for such sizes).
+    wide = nb * B >= 2**31
+    index = torch.arange(nb * B, device=x.device,
+                         dtype=torch.int64 if wide else torch.int32).view(nb, B)
     valid = index < n
     # inf * 0 and NaN * 0 are NaN; finite * 0 is +-0: the sum is NaN iff the bucket
     # holds a non-finite value, whatever the summation order.
@@ -172,7 +176,9 @@ def quantize_reference(
             codes = (sign << (bits - 1)) | j
             meta = torch.where(bad, nan, scale)
     codes = torch.where(valid, codes, 0)
-    return meta.reshape(-1), pack_codes(codes.reshape(-1)[: -(-n // 8) * 8], bits)
+    # Pack the whole padded bucket grid, then cut: packing first keeps the codes in the
+    # per-bucket loop (a slice first made Inductor store t and reload it, 8 B/element).
+    return meta.reshape(-1), pack_codes(codes.reshape(-1), bits)[: -(-n // 8) * bits]
 
 
 def _byte_pieces(bits: int, m: int):
