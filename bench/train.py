@@ -1,0 +1,432 @@
+"""``python -m bench train``: FSDP2 GPT training on real text, exact vs quantized
+communication (QSDP's claim: same loss, faster), ranks self-launched.
+
+Data: the bytes of the Python standard library's ``.py`` files, in sorted path order; the
+last 5% of files are held out for evaluation. Byte-level tokens (vocabulary 256), so
+nothing is downloaded and nothing is shipped.
+
+Model: a nanoGPT-shaped decoder (pre-LayerNorm, causal attention, 4x GELU MLP, tied
+embedding), ``fully_shard`` per block and at the root, AdamW with warm-up and cosine
+decay. Every variant starts from the same initial weights; a data seed fixes the order of
+the training windows, the same for every variant (paired runs).
+
+Variants (``--variants``): ``fp32`` (all collectives exact through the inner gloo: the
+baseline) and ``wAgB[-nuq|-maxnorm]``: A-bit weights (all-gather) and B-bit gradients
+(reduce-scatter), e.g. ``w8g8``, ``w4g8``, ``w4g4-nuq``.
+
+Per run: held-out loss every ``--eval-every`` steps, median step time, tokens/s, bytes
+on the wire per step (``qcomm.stats``), and the share of the step spent communicating,
+``1 - T_compute / T_step``, where ``T_compute`` is the same step (forward, backward,
+AdamW) timed on an unsharded local replica on the same cores. FSDP2 on CPU does not
+overlap communication with compute, so the best a variant can do is Amdahl's bound
+``T_base / (T_compute + T_comm_base / ratio)``; the summary prints each variant's
+speedup against it. The bytes FSDP2's own bf16 mixed precision would send are
+reported too: half the fp32 bytes (both are exact casts, so that is arithmetic, not a
+measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import common
+from .common import Column
+from .link import LinkError, ShapedLink, parse_rate, pin_this_rank, run_ranks
+
+HELD_OUT = 0.05  # the last 5% of files (sorted order) are the evaluation split
+INIT_SEED = 1234  # every variant and data seed starts from the same weights
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def corpus_files(root: str | None = None) -> list[Path]:
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py")
+                  if "site-packages" not in p.parts and p.is_file())
+
+
+def load_corpus(root: str | None = None, limit_bytes: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, eval) uint8 tensors: the files' bytes, the last 5% of files held out."""
+    files = corpus_files(root)
+    if len(files) < 20:
+        raise RuntimeError(f"found only {len(files)} .py files under the stdlib; need >= 20")
+    cut = len(files) - max(1, int(len(files) * HELD_OUT))
+    def read(paths):
+        data = bytearray()
+        for p in paths:
+            data += p.read_bytes()
+            if limit_bytes and len(data) >= limit_bytes:
+                break
+        return torch.frombuffer(data, dtype=torch.uint8).clone()
+    return read(files[:cut]), read(files[cut:])
+
+
+# ---------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    layers: int = 4
+    width: int = 128
+    heads: int = 4
+    seq: int = 128
+    vocab: int = 256
+
+
+class Block(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(c.width)
+        self.qkv = nn.Linear(c.width, 3 * c.width)
+        self.proj = nn.Linear(c.width, c.width)
+        self.ln2 = nn.LayerNorm(c.width)
+        self.fc = nn.Linear(c.width, 4 * c.width)
+        self.out = nn.Linear(4 * c.width, c.width)
+        self.heads = c.heads
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.tok = nn.Embedding(c.vocab, c.width)
+        self.pos = nn.Embedding(c.seq, c.width)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.ln = nn.LayerNorm(c.width)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx, targets):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.ln(x) @ self.tok.weight.t()  # tied embedding
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def batch_at(data: torch.Tensor, starts: torch.Tensor, seq: int):
+    offs = starts[:, None] + torch.arange(seq + 1)
+    chunk = data[offs].long()
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    p = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+# ------------------------------------------------------------------------- variants
+
+
+def parse_variant(name: str) -> dict:
+    """``fp32`` or ``wAgB[-scheme]`` -> the QCOMM_* environment of that run."""
+    if name == "fp32":
+        return {"QCOMM_AG_BITS": "off", "QCOMM_RS_BITS": "off", "QCOMM_AR_BITS": "off"}
+    head, _, scheme = name.partition("-")
+    if not (head.startswith("w") and "g" in head):
+        raise ValueError(f"bad variant {name!r}: use fp32 or wAgB[-nuq|-maxnorm|-minmax]")
+    wbits, gbits = head[1:].split("g")
+    env = {"QCOMM_AG_BITS": wbits, "QCOMM_RS_BITS": gbits, "QCOMM_AR_BITS": gbits}
+    for var, value in (("QCOMM_AG_BITS", wbits), ("QCOMM_RS_BITS", gbits)):
+        if not value.isdigit() or not 1 <= int(value) <= 8:
+            raise ValueError(f"bad variant {name!r}: {var} would be {value!r} (1-8)")
+    if scheme:
+        if scheme not in ("nuq", "maxnorm", "minmax"):
+            raise ValueError(f"bad variant {name!r}: scheme {scheme!r}")
+        env["QCOMM_SCHEME"] = scheme
+    return env
+
+
+# ----------------------------------------------------------------------------- rank
+
+
+def _time_local_step(cfg: GPTConfig, batch: int, reps: int) -> float:
+    """Median seconds of one unsharded forward+backward+AdamW step on this rank's cores."""
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, 256, (batch, cfg.seq))
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        model(x, x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
+
+
+def worker(spec: dict) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import qcomm
+
+    pin_this_rank()
+    dist.init_process_group("qcomm", timeout=datetime.timedelta(seconds=spec["op_timeout"]))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(**spec["model"])
+    train, held = load_corpus(limit_bytes=spec.get("limit_bytes"))
+    torch.manual_seed(INIT_SEED)
+    model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.1,
+                            betas=(0.9, 0.95))
+    B, T, steps = spec["batch"], cfg.seq, spec["steps"]
+    gen = torch.Generator().manual_seed(spec["data_seed"] * 1000 + rank)
+    eval_gen = torch.Generator().manual_seed(99)  # the same held-out windows for all runs
+    eval_starts = torch.randint(0, held.numel() - T - 1, (spec["eval_windows"],),
+                                generator=eval_gen)
+    mine = eval_starts[rank::world]
+
+    def evaluate() -> float:
+        total = torch.zeros(2, dtype=torch.float64)
+        with torch.no_grad():
+            for chunk in mine.split(16):
+                x, y = batch_at(held, chunk, T)
+                total[0] += model(x, y).item() * chunk.numel()
+                total[1] += chunk.numel()
+        dist.all_reduce(total)  # 2 elements, below min_numel: exact
+        return (total[0] / total[1]).item()
+
+    curve, step_times = [], []
+    group = dist.group.WORLD
+    qcomm.stats(group, reset=True)
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, spec["lr"], spec["warmup"])
+        x, y = batch_at(train, torch.randint(0, train.numel() - T - 1, (B,), generator=gen), T)
+        dist.barrier()
+        t = time.perf_counter()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step_times.append(time.perf_counter() - t)
+        if step == spec["warmup_steps"] - 1:
+            qcomm.stats(group, reset=True)  # bytes per step counted after warm-up
+        if (step + 1) % spec["eval_every"] == 0 or step + 1 == steps:
+            curve.append((step + 1, evaluate(), loss.item()))
+            if rank == 0:
+                print(f"# {spec['name']} seed {spec['data_seed']}: step {step + 1}/{steps} "
+                      f"train {loss.item():.4f} eval {curve[-1][1]:.4f} "
+                      f"({statistics.median(step_times[-10:]):.3f} s/step)",
+                      file=sys.stderr, flush=True)
+    stats = qcomm.stats(group)
+    counted = steps - spec["warmup_steps"]
+    wire = sum(s.wire_bytes for s in stats.values()) / max(1, counted)
+    logical = sum(s.logical_bytes for s in stats.values()) / max(1, counted)
+    dist.barrier()
+    t_compute = _time_local_step(cfg, B, reps=5)  # both ranks at once, as in training
+    timed = step_times[spec["warmup_steps"]:] or step_times
+    t_step = statistics.median(timed)
+    row = {"variant": spec["name"], "data_seed": spec["data_seed"], "params": n_params,
+           "final_eval": curve[-1][1], "curve": curve, "step_s": t_step,
+           "tokens_per_s": world * B * T / t_step, "compute_s": t_compute,
+           "comm_share": max(0.0, 1 - t_compute / t_step), "wire_bytes_per_step": wire,
+           "logical_bytes_per_step": logical, "link": spec["link"]}
+    if rank == 0:
+        Path(spec["result"]).write_text(json.dumps(row))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def run_variant(args, name: str, seed: int, link) -> dict:
+    with tempfile.TemporaryDirectory(prefix="qcomm-train-") as tmp:
+        spec = {"name": name, "data_seed": seed, "model": asdict(args.model),
+                "batch": args.batch, "steps": args.steps, "lr": args.lr,
+                "warmup": max(1, args.steps // 20), "warmup_steps": min(5, args.steps - 1),
+                "eval_every": args.eval_every, "eval_windows": args.eval_windows,
+                "op_timeout": args.op_timeout, "link": args.link_name,
+                "limit_bytes": args.limit_bytes, "result": str(Path(tmp) / "row.json")}
+        spec_path = Path(tmp) / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        env = dict(parse_variant(name), QCOMM_SEED=str(seed),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(common.ROOT),
+                                                            os.environ.get("PYTHONPATH")])))
+        run_ranks(["-m", "bench.train", "--worker", str(spec_path)], args.world,
+                  link=link, timeout_s=args.timeout, env=env)
+        return json.loads(Path(spec["result"]).read_text())
+
+
+def summarize(rows: list[dict]) -> tuple[list[dict], list[str]]:
+    """One summary row per variant: means over seeds, paired differences vs fp32."""
+    by = {}
+    for r in rows:
+        by.setdefault(r["variant"], []).append(r)
+    base = {r["data_seed"]: r for r in by.get("fp32", [])}
+    base_step = statistics.median(r["step_s"] for r in base.values()) if base else None
+    base_compute = statistics.median(r["compute_s"] for r in base.values()) if base else None
+    base_wire = statistics.median(r["wire_bytes_per_step"] for r in base.values()) if base else None
+    out, lines = [], []
+    for name, rs in by.items():
+        finals = [r["final_eval"] for r in rs]
+        s = {"variant": name, "runs": len(rs), "final_eval_mean": statistics.fmean(finals),
+             "final_eval_sd": statistics.stdev(finals) if len(finals) > 1 else float("nan"),
+             "step_s": statistics.median(r["step_s"] for r in rs),
+             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
+             "comm_share": statistics.median(r["comm_share"] for r in rs),
+             "wire_bytes_per_step": statistics.median(r["wire_bytes_per_step"] for r in rs)}
+        s["wire_mb_per_step"] = s["wire_bytes_per_step"] / 1e6
+        paired = [100 * (r["final_eval"] / base[r["data_seed"]]["final_eval"] - 1)
+                  for r in rs if r["data_seed"] in base]
+        if paired and name != "fp32":
+            s["paired_diff_pct"] = statistics.fmean(paired)
+            s["paired_se_pct"] = (statistics.stdev(paired) / math.sqrt(len(paired))
+                                  if len(paired) > 1 else float("nan"))
+        if base_step:
+            s["speedup"] = base_step / s["step_s"]
+            ratio = base_wire / s["wire_bytes_per_step"] if s["wire_bytes_per_step"] else 1.0
+            comm_base = base_step - base_compute
+            s["amdahl_bound"] = base_step / (base_compute + comm_base / ratio)
+            s["of_bound"] = s["speedup"] / s["amdahl_bound"]
+        out.append(s)
+    if base_wire:
+        lines.append(f"# fp32 bytes on the wire per step: {base_wire / 1e6:.2f} MB; FSDP2 bf16 "
+                     f"mixed precision would send half: {base_wire / 2e6:.2f} MB")
+    return out, lines
+
+
+SUMMARY_COLUMNS = [
+    Column("variant", "variant"), Column("runs", "runs"),
+    Column("final_eval_mean", "eval_loss", "{:.4f}"), Column("final_eval_sd", "sd", "{:.4f}"),
+    Column("paired_diff_pct", "vs_fp32_%", "{:+.2f}"), Column("paired_se_pct", "se_%", "{:.2f}"),
+    Column("step_s", "step_s", "{:.3f}"), Column("tokens_per_s", "tok/s", "{:.0f}"),
+    Column("comm_share", "comm", "{:.0%}"),
+    Column("wire_mb_per_step", "wire_MB", "{:.3f}"),
+    Column("speedup", "speedup", "{:.2f}"), Column("amdahl_bound", "bound", "{:.2f}"),
+    Column("of_bound", "of_bound", "{:.0%}"),
+]
+
+
+def plot(folder: Path, stem: str, rows: list[dict], summary: list[dict]) -> Path | None:
+    if not common.have_matplotlib():
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for r in rows:
+        steps, evals = [c[0] for c in r["curve"]], [c[1] for c in r["curve"]]
+        a.plot(steps, evals, label=f"{r['variant']} s{r['data_seed']}", linewidth=1)
+    a.set_xlabel("step")
+    a.set_ylabel("held-out loss (nats/byte)")
+    a.grid(True, alpha=0.3)
+    a.legend(fontsize=6, ncol=2)
+    names = [s["variant"] for s in summary]
+    b.bar(names, [s["step_s"] for s in summary])
+    b.set_ylabel("median step time (s)")
+    b.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    path = folder / f"{stem}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def parse_ints(text: str) -> list[int]:
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
+    p.add_argument("--variants", type=common.arg(lambda s: [v for v in s.split(",") if
+                                                           parse_variant(v) is not None]),
+                   default=["fp32", "w8g8", "w4g8", "w4g4", "w8g8-nuq", "w4g4-nuq"],
+                   help="fp32 first (the baseline); wAgB[-nuq|-maxnorm]")
+    p.add_argument("--seeds", type=common.arg(parse_ints), default=[0],
+                   help="data-order seeds (comma list); each variant runs every seed")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-windows", type=int, default=128)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--link", default=None,
+                   help="link rate (100mbit, 1gbit): the ranks as two hosts behind it")
+    p.add_argument("--limit-bytes", type=int, default=None,
+                   help="read only this many training bytes (tests)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per run, all in")
+    p.add_argument("--op-timeout", type=float, default=600)
+
+
+def main(args) -> int:
+    args.model = GPTConfig(args.layers, args.width, args.heads, args.seq)
+    parsed = parse_rate(args.link)
+    args.link_name = parsed[0] if parsed else "loopback"
+    header = common.run_header("train", device="cpu (gloo)", link=args.link_name,
+                               command=args.command)
+    header["train"] = {"model": asdict(args.model), "batch": args.batch, "steps": args.steps,
+                       "lr": args.lr, "world": args.world, "seeds": args.seeds,
+                       "variants": args.variants}
+    print(common.format_header(header), flush=True)
+    rows = []
+    try:
+        with ShapedLink(args.link) if parsed else contextlib.nullcontext() as link:
+            for seed in args.seeds:
+                for name in args.variants:
+                    rows.append(run_variant(args, name, seed, link))
+    except LinkError as err:
+        print(f"python -m bench train: {err}", file=sys.stderr)
+        return 2
+    summary, lines = summarize(rows)
+    folder = common.results_dir(args.out, header)
+    stem = f"train-{args.link_name}"
+    print(common.format_table(SUMMARY_COLUMNS, summary))
+    for line in lines:
+        print(line)
+    common.write_results(folder, stem, header, SUMMARY_COLUMNS, summary)
+    (folder / f"{stem}-runs.json").write_text(json.dumps({"header": header, "runs": rows},
+                                                         indent=1) + "\n")
+    print(f"# wrote {folder}/{stem}.json, .csv, -runs.json", file=sys.stderr)
+    if not args.no_plot and plot(folder, stem, rows, summary):
+        print(f"# wrote {folder}/{stem}.png", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
+    worker(json.loads(Path(sys.argv[2]).read_text()))
