@@ -33,7 +33,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
+    args.command = " ".join(["python", "-m", "bench", *argv])  # the run header's record
     return args.main(args)
 
 

@@ -152,6 +152,9 @@ def summary(rows: list[dict], impls: list[str], device: torch.device) -> list[st
     """One line per provider and op: median fraction of memcpy at large sizes vs target."""
     target = TARGET_FRAC["cuda" if device.type == "cuda" else "cpu"]
     lines = []
+    if not any(r["numel"] >= TARGET_MIN_NUMEL for r in rows):
+        return [f"# no size >= {TARGET_MIN_NUMEL} elements: the {target}x memcpy target "
+                "is not judged"]
     for impl in impls:
         for op in OPS:
             fracs = [r[f"{impl}_frac"] for r in rows
@@ -226,7 +229,7 @@ def main(args) -> int:
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    header = common.run_header("codec", device=str(device))
+    header = common.run_header("codec", device=str(device), command=args.command)
     header["cpu"]["torch_threads"] = torch.get_num_threads()
     header["sweep"] = {"sizes": args.sizes, "bits": args.bits, "schemes": args.schemes,
                        "dtypes": args.dtypes, "iters": args.iters, "budget_s": args.budget}

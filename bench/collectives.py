@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,6 +209,7 @@ def worker(spec: dict) -> None:
 
     import qcomm
 
+    start = time.monotonic()
     pin_this_rank()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec["op_timeout"]))
     group = dist.group.WORLD
@@ -215,6 +217,9 @@ def worker(spec: dict) -> None:
     dtype = DTYPES[spec["dtype"]]
     timer = Timer(group, dist, spec["iters"], spec["warmup"], spec["budget"])
     rows = []
+    if rank == 0:
+        print(f"# {spec['link']}: {world} ranks up ({time.monotonic() - start:.1f} s)",
+              file=sys.stderr, flush=True)
     for coll in spec["collectives"]:
         for numel in spec["sizes"]:
             case = Case(coll, numel, world, rank, dtype)
@@ -258,8 +263,8 @@ def worker(spec: dict) -> None:
                     row["speedup"] = exact_t / t
                 rows.append(row)
             if rank == 0:
-                print(f"# {spec['link']}: {coll} {common.human_bytes(size)} done",
-                      file=sys.stderr, flush=True)
+                print(f"# {spec['link']}: {coll} {common.human_bytes(size)} done "
+                      f"({time.monotonic() - start:.1f} s)", file=sys.stderr, flush=True)
     dist.barrier(group=group)
     if rank == 0:
         Path(spec["result"]).write_text(json.dumps(rows))
@@ -351,7 +356,8 @@ def plot_speedup(folder: Path):
 def run_one(args, rate: str | None) -> Path:
     """Launch the ranks for one link rate; print and write the results."""
     tag = rate or "loopback"
-    header = common.run_header("collectives", device="cpu (gloo)", link=tag)
+    header = common.run_header("collectives", device="cpu (gloo)", link=tag,
+                               command=args.command)
     header["sweep"] = {"sizes": args.sizes, "collectives": args.collectives,
                        "variants": args.variants, "iters": args.iters, "warmup": args.warmup,
                        "budget_s": args.budget, "world": args.world, "dtype": args.dtype}

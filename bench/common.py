@@ -229,7 +229,8 @@ def _git_commit() -> str | None:
         return None
 
 
-def run_header(what: str, *, device: str, link: str | None = None, command=None) -> dict:
+def run_header(what: str, *, device: str, link: str | None = None,
+               command: str | None = None) -> dict:
     """The facts every result carries: device, versions, link, command, time."""
     import qcomm
 
@@ -240,8 +241,7 @@ def run_header(what: str, *, device: str, link: str | None = None, command=None)
         usable = cores
     return {
         "benchmark": what,
-        "command": " ".join(command if command is not None else ["python", "-m", "bench",
-                                                                   *sys.argv[1:]]),
+        "command": command or " ".join(["python", "-m", "bench", *sys.argv[1:]]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device,
         "gpus": _gpus(),

@@ -1,0 +1,170 @@
+"""Every benchmark at a tiny size, so none rots. No timing is asserted: only that each
+run completes, writes its files, and that the numbers it reports are self-consistent
+(bytes, ratios, exact error 0). The codec runs uncompiled (QCOMM_COMPILE=0: a compile
+costs ~25 s per config; the codec tests cover the compiled path)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+import qcomm
+from bench import collectives, common, link
+from bench.__main__ import main
+
+ROOT_AND_IP = os.geteuid() == 0 and shutil.which("ip") is not None
+
+
+@pytest.fixture(autouse=True)
+def _eager_codec(monkeypatch):
+    monkeypatch.setenv("QCOMM_COMPILE", "0")  # inherited by the ranks
+
+
+def _load(path):
+    data = json.loads(path.read_text())
+    assert (path.with_suffix(".csv")).exists()
+    return data["header"], data["rows"]
+
+
+def _netns():
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
+
+
+@pytest.mark.parametrize(
+    "text, sizes",
+    [("16..18", [1 << 16, 1 << 17, 1 << 18]), ("10..14:2", [1 << 10, 1 << 12, 1 << 14]),
+     ("2^20,1000", [1 << 20, 1000]), ("2^3..2^4", [8, 16])],
+)
+def test_parse_sizes(text, sizes):
+    assert common.parse_sizes(text) == sizes
+
+
+@pytest.mark.parametrize("bad", ["", "18..16", "x", "2^", "-5", "0"])
+def test_parse_sizes_rejects(bad):
+    with pytest.raises(ValueError, match="size"):
+        common.parse_sizes(bad)
+
+
+def test_parse_rate():
+    assert link.parse_rate("1gbit") == ("1gbit", 10**9)
+    assert link.parse_rate("100Mbit") == ("100mbit", 10**8)
+    assert link.parse_rate("2.5gbit") == ("2.5gbit", 25 * 10**8)
+    assert link.parse_rate("loopback") is None
+    for bad in ("fast", "1gb", "10bit", "1000gbit"):
+        with pytest.raises(ValueError, match="rate"):
+            link.parse_rate(bad)
+
+
+def test_bad_flag_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["collectives", "--link", "fast"])
+    assert exit_.value.code == 2
+    assert "bad link rate 'fast'" in capsys.readouterr().err
+
+
+def test_table_and_header():
+    cols = [common.Column("a", "A"), common.Column("b", "bee", "{:.1f}")]
+    assert common.format_table(cols, [{"a": 1, "b": 2.25}, {"a": 10}]).splitlines() == [
+        " A  bee", " 1  2.2", "10    -"]
+    h = common.run_header("codec", device="cpu", link="1gbit")
+    assert h["versions"]["qcomm"] == qcomm.__version__ and h["versions"]["torch"]
+    assert h["cpu"]["cores"] >= 1 and h["link"] == "1gbit"
+    text = common.format_header(h)
+    assert "torch" in text and "link 1gbit" in text
+    assert common.machine_name(h) and "/" not in common.machine_name(h)
+
+
+def test_codec(tmp_path, capsys):
+    # 1000: a size that is a multiple of nothing; eager alongside the torch path.
+    assert main(["codec", "--sizes", "1000,4096", "--bits", "2,8", "--dtypes", "all",
+                 "--schemes", "minmax,nuq", "--impls", "triton,torch,eager", "--iters", "1",
+                 "--budget", "0", "--out", str(tmp_path)]) == 0
+    header, rows = _load(tmp_path / "codec.json")
+    assert header["benchmark"] == "codec" and header["versions"]["torch"]
+    assert len(rows) == 2 * 2 * 3 * 2 * 2  # ops x sizes x dtypes x schemes x bits
+    for r in rows:
+        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[r["dtype"]]
+        payload = qcomm.packed_nbytes(r["numel"], qcomm.QuantConfig(bits=r["bits"],
+                                                                     scheme=r["scheme"]))
+        assert r["bytes"] == r["numel"] * itemsize + payload
+        assert r["torch_gbps"] > 0 and r["eager_frac"] > 0
+        assert "triton_us" not in r  # no CUDA here: the interpreter is not a speed path
+    out = capsys.readouterr().out
+    assert "torch/memcpy" in out and "target is not judged" in out
+    assert header["command"].startswith("python -m bench codec --sizes 1000,4096")
+    assert (tmp_path / "codec.png").exists() == common.have_matplotlib()
+
+
+def _check_collectives(rows, tag, variants, colls=collectives.COLLECTIVES):
+    assert {r["collective"] for r in rows} == set(colls)
+    for r in rows:
+        assert r["link"] == tag and r["time_us"] > 0
+        assert r["busbw"] == pytest.approx(
+            r["algbw"] * collectives.BUS_FACTOR[r["collective"]](r["world"]))
+        if r["variant"] == "exact":
+            assert r["rel_err"] == 0 and r["ratio"] == 1 and r["speedup"] == 1
+        elif r["variant"] == "bf16":
+            assert r["ratio"] == 2 and 0 < r["rel_err"] < 1e-2
+        else:
+            assert r["compressed"] and r["ratio"] > 1
+            assert 0 < r["rel_err"] < 1.5
+            assert r["quant_us"] > 0 and r["xfer_us"] > 0 and r["dequant_us"] > 0
+    assert {r["variant"] for r in rows} == set(variants)
+
+
+def test_collectives_loopback(tmp_path, capsys):
+    # 2^12 elements: 1024 per rank's chunk at 2 ranks, qcomm's min_numel.
+    assert main(["collectives", "--sizes", "2^12", "--iters", "1", "--warmup", "1",
+                 "--variants", "exact,qcomm8,bf16", "--timeout", "120",
+                 "--out", str(tmp_path)]) == 0
+    header, rows = _load(tmp_path / "collectives-loopback.json")
+    assert header["link"] == "loopback"
+    _check_collectives(rows, "loopback", ["exact", "qcomm8", "bf16"])
+    out = capsys.readouterr().out
+    assert "busbw(GB/s)" in out and "all_reduce" in out
+
+
+def test_link_needs_root(monkeypatch):
+    monkeypatch.setattr(link.os, "geteuid", lambda: 1000)
+    with pytest.raises(link.LinkError, match="needs root"):
+        with link.ShapedLink("1gbit"):
+            pass
+
+
+@pytest.mark.skipif(not ROOT_AND_IP, reason="network namespaces need root and iproute2")
+def test_collectives_shaped_link(tmp_path):
+    before = _netns()
+    assert main(["collectives", "--link", "1gbit", "--sizes", "2^12", "--iters", "1",
+                 "--warmup", "1", "--variants", "exact,qcomm8", "--collectives", "all_gather",
+                 "--timeout", "120", "--out", str(tmp_path)]) == 0
+    assert _netns() == before  # torn down
+    _, rows = _load(tmp_path / "collectives-1gbit.json")
+    _check_collectives(rows, "1gbit", ["exact", "qcomm8"], ["all_gather"])
+
+
+@pytest.mark.skipif(not common.have_matplotlib(), reason="plots need matplotlib")
+def test_speedup_plot(tmp_path):
+    header = common.run_header("collectives", device="cpu")
+    for tag, speedup in (("loopback", 0.5), ("1gbit", 1.5), ("100mbit", 3.0)):
+        rows = [{"collective": c, "variant": v, "size": 1 << 26, "speedup": s}
+                for c in collectives.COLLECTIVES
+                for v, s in (("exact", 1.0), ("qcomm8", speedup))]
+        common.write_results(tmp_path, f"collectives-{tag}", dict(header, link=tag),
+                             collectives.columns(False), rows)
+    assert collectives.plot_speedup(tmp_path) == tmp_path / "speedup-vs-link.png"
+    assert (tmp_path / "speedup-vs-link.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(not ROOT_AND_IP, reason="network namespaces need root and iproute2")
+def test_link_torn_down_on_failure():
+    before = _netns()
+    with pytest.raises(TimeoutError, match="--timeout"):
+        with link.ShapedLink("100mbit") as shaped:
+            assert _netns() - before == {h.netns for h in shaped.hosts}
+            link.run_ranks(["-c", "import time; time.sleep(60)"], 2, link=shaped, timeout_s=1)
+    assert _netns() == before
