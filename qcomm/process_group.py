@@ -1,0 +1,317 @@
+"""The ``"qcomm"`` torch.distributed backend: a Python ProcessGroup over an inner one.
+
+``import qcomm`` registers it; ``dist.init_process_group("qcomm")`` (and ``new_group``,
+DeviceMesh dimensions, HSDP) then build a :class:`QcommProcessGroup` whose inner group
+is gloo for CPU tensors and NCCL for CUDA tensors (``CommConfig.inner`` /
+``QCOMM_INNER`` override it). :func:`wrap` puts one over an existing group.
+
+This module is plumbing: it maps every torch entry point that reaches an all-gather,
+reduce-scatter or all-reduce (both generations of method names: torch <= 2.12 calls
+``_allgather_base`` / ``_reduce_scatter_base`` / ``alltoall_base``, >= 2.13
+``all_gather_single`` / ``reduce_scatter_single`` / ``all_to_all_single``; coalesced
+and list forms) onto :mod:`qcomm.collectives`, which decides per call what is
+compressed. Everything else is forwarded to the inner group unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from . import collectives as C
+from .config import CommConfig, comm_config_from_env
+
+BACKEND_NAME = "qcomm"
+_c10d = dist.distributed_c10d
+
+
+def _combine(works: list):
+    """One Work for several: all but the last are waited for here (gloo and NCCL
+    order a group's works anyway), the last is returned."""
+    works = [w for w in works if w is not None]
+    for w in works[:-1]:
+        w.wait()
+    return works[-1] if works else C.completed_work()
+
+
+def _reduce_op(opts):
+    """The ReduceOp in an options object (or a bare ReduceOp / RedOpType)."""
+    if opts is None:
+        return ReduceOp.SUM
+    return getattr(opts, "reduceOp", opts)
+
+
+def _uniform(outs: list[torch.Tensor], like: torch.Tensor, world: int) -> bool:
+    """Whether a list form is the flat form in disguise: ``world`` contiguous tensors of
+    ``like``'s size, dtype and device."""
+    return len(outs) == world and all(
+        o.numel() == like.numel() and o.dtype == like.dtype and o.device == like.device
+        and o.is_contiguous() for o in outs
+    )
+
+
+class QcommProcessGroup(dist.ProcessGroup):
+    """A process group that sends float all-gathers, reduce-scatters and all-reduces as
+    quantized payloads through ``inner`` and passes everything else through exactly."""
+
+    def __init__(self, inner: dist.ProcessGroup, config: CommConfig, *,
+                 owns_inner: bool = True) -> None:
+        if not isinstance(config, CommConfig):
+            raise TypeError(f"config must be a qcomm.CommConfig, got {config!r}")
+        super().__init__(inner.rank(), inner.size())
+        self.inner = inner
+        self._qcomm_state = C.GroupState(config)
+        self._owns_inner = owns_inner
+        self._qcomm_name: str | None = None
+        self._qcomm_desc = "undefined"
+
+    @property
+    def config(self) -> CommConfig:
+        return self._qcomm_state.config
+
+    def __repr__(self) -> str:
+        return (f"QcommProcessGroup(rank={self.rank()}, size={self.size()}, "
+                f"inner={self.inner.name()}, name={self._qcomm_name!r})")
+
+    # -- names: the C++ base reads them from its (absent) backends -------------------
+    @property
+    def group_name(self) -> str:
+        if self._qcomm_name is None:
+            raise RuntimeError("ProcessGroup name not set")
+        return self._qcomm_name
+
+    @property
+    def group_desc(self) -> str:
+        return self._qcomm_desc
+
+    def _set_group_name(self, name: str) -> None:
+        self._qcomm_name = name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._qcomm_desc = desc
+
+    def getGroupName(self) -> str:  # noqa: N802 (torch's C++-style name)
+        return self.group_name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._set_group_name(name)
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def getBackendName(self) -> str:  # noqa: N802
+        return BACKEND_NAME
+
+    def _get_backend_name(self) -> str:
+        return BACKEND_NAME
+
+    # -- all-gather ---------------------------------------------------------------
+    def all_gather_single(self, output, input, opts=None):  # noqa: A002 (torch's names)
+        return C.all_gather_into_tensor(output, input, self, async_op=True)
+
+    _allgather_base = all_gather_single
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        if isinstance(input_tensors, torch.Tensor):  # allgather(list, tensor) overload
+            output_tensors, input_tensors = [output_tensors], [input_tensors]
+        works = []
+        for outs, inp in zip(output_tensors, input_tensors, strict=True):
+            exact = self._exact_allgather(outs, inp)
+            works.append(C.gather_into(self, list(outs), None, inp, async_op=True,
+                                       exact=exact,
+                                       can_compress=_uniform(outs, inp, self.size())))
+        return _combine(works)
+
+    def _exact_allgather(self, outs, inp):
+        return lambda: self.inner.allgather([list(outs)], [inp], _c10d.AllgatherOptions())
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return _combine([self.all_gather_single(o, i) for o, i in
+                         zip(outputs, inputs, strict=True)])
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        return _combine([self.allgather([outs], [inp]) for outs, inp in
+                         zip(output_lists, input_list, strict=True)])
+
+    # -- reduce-scatter -----------------------------------------------------------
+    def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002
+        return C.reduce_scatter_tensor(output, input, _reduce_op(opts), self, async_op=True)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        if isinstance(output_tensors, torch.Tensor):  # reduce_scatter(out, list, op)
+            output_tensors, input_tensors = [output_tensors], [input_tensors]
+        op = _reduce_op(opts)
+        works = []
+        for out, chunks in zip(output_tensors, input_tensors, strict=True):
+            uniform = _uniform(chunks, out, self.size())
+            works.append(C.scatter_from(self, out, list(chunks), None, op, async_op=True,
+                                        exact=self._exact_reduce_scatter(out),
+                                        can_compress=uniform))
+        return _combine(works)
+
+    def _exact_reduce_scatter(self, out):
+        def run(op, chunks):
+            opts = _c10d.ReduceScatterOptions()
+            opts.reduceOp = op
+            return self.inner.reduce_scatter([out], [list(chunks)], opts)
+        return run
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        return _combine([self.reduce_scatter_single(o, i, opts) for o, i in
+                         zip(outputs, inputs, strict=True)])
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # -- all-reduce ---------------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        if isinstance(tensors, torch.Tensor):  # allreduce(tensor, op) overload
+            tensors = [tensors]
+        op = _reduce_op(opts)
+        return _combine([C.all_reduce(t, op, self, async_op=True) for t in tensors])
+
+    allreduce_coalesced = allreduce
+
+    # -- everything else: exact, through the inner group ----------------------------
+    def all_to_all_single(self, *args, **kwargs):
+        return C._method(self.inner, "all_to_all_single", "alltoall_base")(*args, **kwargs)
+
+    alltoall_base = all_to_all_single
+
+    def shutdown(self) -> None:
+        if self._owns_inner:
+            self.inner.shutdown()
+        self._qcomm_state.buffers.clear()
+
+    def abort(self) -> None:
+        if self._owns_inner:
+            self.inner.abort()
+
+
+def _forward(name: str):
+    def method(self, *args, **kwargs):
+        return getattr(self.inner, name)(*args, **kwargs)
+    method.__name__ = name
+    method.__doc__ = f"Exact: forwarded to the inner group's ``{name}``."
+    return method
+
+
+for _name in ("alltoall", "broadcast", "barrier", "send", "recv", "recv_anysource", "gather",
+              "scatter", "reduce", "monitored_barrier"):
+    setattr(QcommProcessGroup, _name, _forward(_name))
+
+
+# ---------------------------------------------------------------------------------
+# Inner groups and registration
+
+_INNER_TYPES = {"gloo": dist.ProcessGroup.BackendType.GLOO,
+                "nccl": dist.ProcessGroup.BackendType.NCCL}
+
+
+def _inner_map(spec: str | None) -> dict[str, str]:
+    """``{"cpu": "gloo", "cuda": "nccl"}`` from ``None`` (by device, like torch's
+    default), a backend name, or torch's ``"cpu:gloo,cuda:nccl"`` form."""
+    if spec is None:
+        cuda = torch.cuda.is_available() and dist.is_nccl_available()
+        return {"cpu": "gloo", "cuda": "nccl"} if cuda else {"cpu": "gloo"}
+    spec = spec.strip().lower()
+    if ":" not in spec:
+        if spec == "gloo":
+            return {"cpu": "gloo", "cuda": "gloo"}
+        if spec == "nccl":
+            return {"cuda": "nccl"}
+        raise ValueError(f"QCOMM_INNER / CommConfig.inner: unknown backend {spec!r} "
+                         "(expected 'gloo', 'nccl' or 'cpu:gloo,cuda:nccl')")
+    mapping = {}
+    for part in spec.split(","):
+        device, _, name = part.partition(":")
+        if device.strip() not in ("cpu", "cuda") or name.strip() not in _INNER_TYPES:
+            raise ValueError(f"QCOMM_INNER / CommConfig.inner: bad entry {part!r} in {spec!r}")
+        mapping[device.strip()] = name.strip()
+    return mapping
+
+
+def _make_backend(name: str, store, rank: int, size: int, timeout):
+    if name == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, size, opts)
+
+
+def make_inner(store, rank: int, size: int, timeout, spec: str | None) -> dist.ProcessGroup:
+    """A plain ProcessGroup with real backends per device, as torch builds one."""
+    pg = dist.ProcessGroup(store, rank, size)
+    made: dict[str, object] = {}
+    mapping = _inner_map(spec)
+    for device, name in mapping.items():
+        if name not in made:
+            made[name] = _make_backend(name, dist.PrefixStore(f"inner/{name}/", store),
+                                       rank, size, timeout)
+        pg._register_backend(torch.device(device), _INNER_TYPES[name], made[name])
+    first = next(iter(mapping.values()))
+    pg._set_default_backend(_INNER_TYPES[first])
+    return pg
+
+
+def _check_agreement(store, rank: int, size: int, config: CommConfig) -> None:
+    """Every rank must run the same config (a mismatch would decode garbage or hang):
+    compared through the store once at group creation (rank 0 against all)."""
+    mine = repr(config)
+    store.set(f"qcomm/config/{rank}", mine)
+    peers = range(1, size) if rank == 0 else (0,)
+    for peer in peers:
+        theirs = store.get(f"qcomm/config/{peer}").decode()
+        if theirs != mine:
+            raise ValueError(
+                f"qcomm config differs between ranks: rank {rank} has {mine}, rank {peer} "
+                f"has {theirs} (check the QCOMM_* environment variables)"
+            )
+
+
+def _create(store, rank: int, size: int, timeout) -> QcommProcessGroup:
+    """The creator ``init_process_group("qcomm")`` / ``new_group`` call."""
+    config = comm_config_from_env()  # a bad QCOMM_* value fails here, naming it
+    inner = make_inner(store, rank, size, timeout, config.inner)
+    _check_agreement(store, rank, size, config)
+    return QcommProcessGroup(inner, config)
+
+
+def register() -> None:
+    """Register the ``"qcomm"`` backend (idempotent; ``import qcomm`` does it)."""
+    if BACKEND_NAME.upper() in getattr(dist.Backend, "_plugins", {}):
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
+
+
+def wrap(group=None, config: CommConfig | None = None) -> QcommProcessGroup:
+    """A qcomm group over an existing ``group`` (default: the default group), sharing
+    its connections; usable with ``dist.*`` calls, DeviceMesh and FSDP like any group.
+    ``config`` defaults to the ``QCOMM_*`` environment."""
+    group = _c10d._get_default_group() if group is None else group
+    inner = C.inner_group(group)
+    config = comm_config_from_env() if config is None else config
+    pg = QcommProcessGroup(inner, config, owns_inner=False)
+    name = f"{group.group_name}:qcomm:{id(pg):x}"
+    pg._set_group_name(name)
+    ranks = dict(_c10d._world.pg_group_ranks.get(group, {r: r for r in range(group.size())}))
+    store = _c10d._world.pg_map.get(group, (None, None))[1]
+    if hasattr(_c10d, "_register_pg_in_world"):
+        _c10d._register_pg_in_world(pg, backend_name=BACKEND_NAME, store=store,
+                                    group_name=name, backend_config=BACKEND_NAME,
+                                    rank_mapping=ranks)
+    else:  # torch <= 2.12 kept the same dictionaries, filled inline
+        world = _c10d._world
+        world.pg_map[pg] = (BACKEND_NAME, store)
+        world.pg_names[pg] = name
+        world.pg_backend_config[pg] = BACKEND_NAME
+        world.pg_group_ranks[pg] = ranks
+        tag = f"ptd:{name}"
+        world.tags_to_pg.setdefault(tag, []).append(pg)
+        world.pg_to_tag[pg] = tag
+        _c10d._register_process_group(name, pg)
+    return pg

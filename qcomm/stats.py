@@ -1,0 +1,91 @@
+"""Per-group counters: how many collectives went compressed or exact, and their bytes.
+
+Bytes are counted from one rank's point of view as *what leaves this rank for its
+peers* under a direct exchange, so that ``wire / logical`` is the compression ratio
+whatever the inner algorithm (ring, tree) does with them:
+
+- all-gather: this rank's shard goes to ``W - 1`` peers;
+- reduce-scatter: ``W - 1`` chunks go one to each peer;
+- all-reduce: a reduce-scatter followed by an all-gather of the reduced chunk
+  (``2 (W - 1)`` chunks; what a ring all-reduce moves too).
+
+Exact calls count their uncompressed bytes on both sides.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+@dataclass
+class CollectiveStats:
+    """Counters of one collective kind on one group (this rank)."""
+
+    calls_compressed: int = 0  # calls sent as packed payloads
+    calls_exact: int = 0  # calls passed through to the inner group unchanged
+    logical_bytes: int = 0  # bytes the exact collective would send (see module doc)
+    wire_bytes: int = 0  # bytes actually handed to the inner group for peers
+
+    @property
+    def ratio(self) -> float:
+        """``logical / wire`` (1.0 when nothing was sent)."""
+        return self.logical_bytes / self.wire_bytes if self.wire_bytes else 1.0
+
+
+class Stats:
+    """The counters of one group, per kind; thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_kind = {k: CollectiveStats() for k in KINDS}
+
+    def record(self, kind: str, *, compressed: bool, logical: int, wire: int) -> None:
+        with self._lock:
+            s = self._by_kind[kind]
+            if compressed:
+                s.calls_compressed += 1
+            else:
+                s.calls_exact += 1
+            s.logical_bytes += logical
+            s.wire_bytes += wire
+
+    def snapshot(self) -> dict[str, CollectiveStats]:
+        with self._lock:
+            return {k: CollectiveStats(**vars(v)) for k, v in self._by_kind.items()}
+
+    def reset(self) -> None:
+        with self._lock:
+            self._by_kind = {k: CollectiveStats() for k in KINDS}
+
+
+def format_table(snapshot: dict[str, CollectiveStats]) -> str:
+    """A small text table of a :func:`stats` snapshot (what the demo prints)."""
+    rows = [f"{'collective':<15}{'compressed':>11}{'exact':>7}{'uncompressed':>15}"
+            f"{'on the wire':>15}{'ratio':>8}"]
+    for kind, s in snapshot.items():
+        rows.append(f"{kind:<15}{s.calls_compressed:>11}{s.calls_exact:>7}"
+                    f"{_mib(s.logical_bytes):>15}{_mib(s.wire_bytes):>15}{s.ratio:>7.2f}x")
+    return "\n".join(rows)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def stats(group=None, *, reset: bool = False) -> dict[str, CollectiveStats]:
+    """Counters of ``group`` (default: the default group), per collective kind.
+
+    Works for qcomm groups and for plain groups used through the direct functions
+    (:func:`qcomm.all_gather_into_tensor`, ...). ``reset=True`` zeroes them after
+    reading.
+    """
+    from .collectives import group_state  # collectives imports this module
+
+    counters = group_state(group).stats
+    snap = counters.snapshot()
+    if reset:
+        counters.reset()
+    return snap

@@ -1,0 +1,116 @@
+"""Multi-process helpers: run a function on W spawned ranks over gloo or qcomm.
+
+``run_ranks(fn, world, *args)`` spawns ``world`` processes, initialises the default
+group in each (a FileStore in a fresh temp dir, so no port is needed), calls
+``fn(rank, world, *args)`` and returns the per-rank results in rank order. A rank that
+raises fails the test with its traceback; a run past ``timeout`` seconds is killed
+and fails, so nothing hangs.
+
+Workers run with ``QCOMM_COMPILE=0`` (the eager codec: ``torch.compile`` costs ~25 s per
+process and config) and one intra-op thread each (2 shared cores).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import time
+import tempfile
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT = 120.0
+WORKER_ENV = {"QCOMM_COMPILE": "0", "OMP_NUM_THREADS": "1"}
+
+
+def _worker(rank, world, store_path, backend, env, fn, args, results):
+    try:
+        os.environ.update(env)
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+
+        import qcomm  # noqa: F401  (registers the backend)
+
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+        try:
+            out = fn(rank, world, *args)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        buf = io.BytesIO()  # plain bytes: a tensor through the queue would be a shared
+        torch.save(out, buf)  # memory handle that dies with this process
+        results.put((rank, "ok", buf.getvalue()))
+    except BaseException:  # noqa: BLE001 (report everything to the parent)
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn, world: int, *args, backend: str = "qcomm", env: dict | None = None,
+              timeout: float = DEFAULT_TIMEOUT):
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; return results by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    full_env = {**WORKER_ENV, **(env or {})}
+    with tempfile.TemporaryDirectory(prefix="qcomm-test-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_worker, daemon=True,
+                             args=(r, world, store_path, backend, full_env, fn, args, results))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        got: dict[int, object] = {}
+        errors: list[str] = []
+        try:
+            deadline = time.monotonic() + timeout
+            while len(got) + len(errors) < world:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    pytest.fail(f"multi-process test timed out after {timeout:.0f} s "
+                                f"(ranks done: {sorted(got)}; errors: {errors})")
+                try:
+                    rank, status, value = results.get(timeout=min(left, 1.0))
+                except queue.Empty:
+                    dead = [p for p in procs if p.exitcode not in (None, 0)]
+                    if dead and not errors and len(got) + len(errors) < world:
+                        # a rank died without reporting (segfault, os._exit)
+                        try:
+                            rank, status, value = results.get(timeout=2.0)
+                        except queue.Empty:
+                            pytest.fail(f"rank process exited with {dead[0].exitcode} "
+                                        "without a result")
+                    else:
+                        continue
+                if status == "ok":
+                    got[rank] = torch.load(io.BytesIO(value), weights_only=False)
+                else:
+                    errors.append(f"--- rank {rank} ---\n{value}")
+                    break  # peers of a failed rank would wait for it until the timeout
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+        if errors:
+            pytest.fail("rank failed:\n" + "\n".join(errors), pytrace=False)
+        return [got[r] for r in range(world)]
+
+
+def assert_close_where(actual: torch.Tensor, expected: torch.Tensor, atol,
+                       what: str = "") -> None:
+    """Assert |actual - expected| <= atol (a float or a per-element tensor), reporting
+    the count and first positions of the elements that are not."""
+    diff = (actual.float() - expected.float()).abs()
+    bad = ~(diff <= atol)  # NaN counts as bad
+    if bad.any():
+        idx = bad.nonzero().flatten()[:8].tolist()
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {diff.numel()} elements off by more than {atol} "
+            f"(max {diff.max().item():.3g}); first at {idx}"
+        )

@@ -1,0 +1,275 @@
+"""qcomm's collectives called directly on plain gloo groups (2 and 4 processes).
+
+Compressed results are judged against the exact result computed locally (every rank
+regenerates every rank's input from its seed) with the codec's bound: a stochastic
+min-max code is off by less than one step ``(max - min) / (2^b - 1)`` of its bucket,
+so a reduce-scatter of W contributions is off by less than the sum of the W - 1
+quantized contributions' steps, and an all-reduce adds one step of the reduced chunk.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import assert_close_where, run_ranks
+from torch.distributed import ReduceOp
+
+import qcomm
+from qcomm import CommConfig, QuantConfig
+from qcomm.layout import packed_nbytes
+
+pytestmark = pytest.mark.slow
+
+Q8 = QuantConfig(bits=8, bucket_size=1024)
+Q4 = QuantConfig(bits=4, bucket_size=128, rounding="nearest")
+
+
+def make(rank: int, n: int, dtype=torch.float32, salt: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * salt + rank)
+    return (torch.randn(n, generator=g) * (1 + rank)).to(dtype)
+
+
+def bucket_steps(x: torch.Tensor, q: QuantConfig) -> torch.Tensor:
+    """Per-element quantization step of ``x``'s bucket (min-max scheme)."""
+    flat = x.float().reshape(-1)
+    n, b = flat.numel(), q.bucket_size
+    pad = (-n) % b
+    buckets = torch.nn.functional.pad(flat, (0, pad), value=float("nan")).view(-1, b)
+    lo = torch.nan_to_num(buckets, nan=float("inf")).amin(1)
+    hi = torch.nan_to_num(buckets, nan=float("-inf")).amax(1)
+    step = (hi - lo) / (2**q.bits - 1)
+    return step.repeat_interleave(b)[:n]
+
+
+def bound(steps: torch.Tensor, q: QuantConfig, dtype) -> torch.Tensor:
+    """Error bound from steps: one step (stochastic) or half (nearest), with fp32 slack."""
+    factor = 1.0 if q.rounding == "stochastic" else 0.5
+    return steps * factor * 1.001 + 1e-6
+
+
+def assert_within(actual: torch.Tensor, want: torch.Tensor, limit: torch.Tensor, what: str):
+    """|actual - want| <= limit, plus the output dtype's own rounding of ``want``."""
+    slack = limit + torch.finfo(actual.dtype).eps * want.float().abs()
+    assert_close_where(actual, want, slack, f"{what} beyond the codec's bound")
+
+
+def _compressed_body(rank, world, q, dtype, n):
+    group = dist.group.WORLD
+    inputs = [make(r, n, dtype) for r in range(world)]
+    res = {}
+    # all-gather: out may alias the input slot (FSDP2 gathers in place)
+    out = torch.empty(world * n, dtype=dtype)
+    out[rank * n:(rank + 1) * n].copy_(inputs[rank])
+    qcomm.all_gather_into_tensor(out, out[rank * n:(rank + 1) * n], group, config=q)
+    exact = torch.cat(inputs)
+    steps = torch.cat([bucket_steps(t, q) for t in inputs])
+    assert_within(out, exact, bound(steps, q, dtype), "all-gather")
+    res["ag"] = out
+    # reduce-scatter, SUM / AVG / PREMUL_SUM
+    big = [make(r, world * n, dtype, salt=1) for r in range(world)]
+    total = torch.stack([t.float() for t in big]).sum(0)
+    chunk_steps = torch.stack([bucket_steps(t.view(world, n)[rank], q) for t in big])
+    peers = [r for r in range(world) if r != rank]
+    rs_bound = bound(chunk_steps[peers].sum(0), q, dtype)
+    mine = slice(rank * n, (rank + 1) * n)
+    for op, scale in ((ReduceOp.SUM, 1.0), (ReduceOp.AVG, 1.0 / world),
+                      (dist._make_nccl_premul_sum(0.25), 0.25)):
+        o = torch.empty(n, dtype=dtype)
+        snapshot = big[rank].clone()
+        qcomm.reduce_scatter_tensor(o, big[rank], op, group, config=q)
+        assert torch.equal(big[rank], snapshot), "reduce_scatter wrote its input"
+        assert o.dtype == dtype
+        assert_within(o, total[mine] * scale, rs_bound * scale, f"reduce-scatter {op}")
+    # all-reduce of a size not divisible by world (padding)
+    m = world * n + 3
+    t = make(rank, m, dtype, salt=2)
+    qcomm.all_reduce(t, ReduceOp.SUM, group, config=q)
+    want = torch.stack([make(r, m, dtype, salt=2).float() for r in range(world)]).sum(0)
+    err = (t.float() - want).abs()
+    scale = sum(make(r, m, dtype, salt=2).float().abs().max() for r in range(world))
+    # W - 1 quantized contributions and one re-quantization, each under a step of at
+    # most (max - min) / (2^b - 1) <= 2 * max|x| / (2^b - 1) of its bucket
+    limit = float(2 * 2 * scale / (2**q.bits - 1)) * world + 1e-3
+    assert err.max() <= limit, f"all-reduce error {err.max():.4g} > {limit:.4g}"
+    res["ar"] = t
+    return res
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_compressed_within_bound_and_identical(world):
+    results = run_ranks(_compressed_body, world, Q8, torch.float32, 3001, backend="gloo")
+    for r in results[1:]:
+        assert torch.equal(r["ag"], results[0]["ag"]), "all-gather differs across ranks"
+        assert torch.equal(r["ar"], results[0]["ar"]), "all-reduce differs across ranks"
+
+
+def test_compressed_bf16_nearest_4bit():
+    results = run_ranks(_compressed_body, 2, Q4, torch.bfloat16, 1500, backend="gloo")
+    assert torch.equal(results[0]["ar"], results[1]["ar"])
+
+
+def _exact_body(rank, world):
+    group = dist.group.WORLD
+    cfg = CommConfig(min_numel=1024)
+    cases = [make(rank, 4096).to(torch.int64), make(rank, 4096).to(torch.float64),
+             make(rank, 100), (make(rank, 4096) > 0)]
+    for x in cases:
+        if x.dtype == torch.bool:
+            x = x.to(torch.uint8)
+        out_q, out_g = torch.empty(world * x.numel(), dtype=x.dtype), torch.empty(
+            world * x.numel(), dtype=x.dtype)
+        qcomm.all_gather_into_tensor(out_q, x, group, config=cfg)
+        dist.all_gather_into_tensor(out_g, x, group)
+        assert torch.equal(out_q, out_g), f"all-gather of {x.dtype}[{x.numel()}] not exact"
+        a, b = x.clone(), x.clone()
+        qcomm.all_reduce(a, ReduceOp.SUM, group, config=cfg)
+        dist.all_reduce(b, ReduceOp.SUM, group)
+        assert torch.equal(a, b)
+    # ops the compressed path cannot do, and switched-off collectives
+    x = make(rank, 8192)
+    for op in (ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PRODUCT):
+        a, b = x.clone(), x.clone()
+        qcomm.all_reduce(a, op, group)
+        dist.all_reduce(b, op, group)
+        assert torch.equal(a, b), f"{op} not exact"
+        o1, o2 = torch.empty(8192 // world), torch.empty(8192 // world)
+        qcomm.reduce_scatter_tensor(o1, x, op, group)
+        dist.reduce_scatter_tensor(o2, x, op, group)
+        assert torch.equal(o1, o2)
+    off = CommConfig(all_gather=None, reduce_scatter=None, all_reduce=None)
+    a, b = x.clone(), x.clone()
+    qcomm.all_reduce(a, ReduceOp.SUM, group, config=off)
+    dist.all_reduce(b, ReduceOp.SUM, group)
+    assert torch.equal(a, b)
+    # PREMUL_SUM on the exact path (gloo rejects it; qcomm applies the factor)
+    o1 = torch.empty(8192 // world, dtype=torch.float64)
+    qcomm.reduce_scatter_tensor(o1, x.double(), dist._make_nccl_premul_sum(0.5), group)
+    o2 = torch.empty_like(o1)
+    dist.reduce_scatter_tensor(o2, x.double() * 0.5, ReduceOp.SUM, group)
+    assert torch.equal(o1, o2)
+    s = qcomm.stats(group)
+    assert s["all_gather"].calls_exact == 4 and s["all_gather"].calls_compressed == 0
+    return True
+
+
+def test_exact_paths_bit_equal_to_gloo():
+    run_ranks(_exact_body, 2, backend="gloo")
+
+
+class Recorder:
+    """A duck-typed inner group: forwards to a real group and records payload bytes."""
+
+    def __init__(self, real):
+        self._real = real
+        self.sent: list[tuple[str, int]] = []
+
+    def rank(self):
+        return self._real.rank()
+
+    def size(self):
+        return self._real.size()
+
+    def all_gather_single(self, out, inp, opts):
+        self.sent.append(("all_gather", inp.numel() * inp.element_size()))
+        return self._real.all_gather_single(out, inp, opts)
+
+    def all_to_all_single(self, out, inp, out_splits, in_splits, opts):
+        self.sent.append(("all_to_all", inp.numel() * inp.element_size()))
+        return self._real.all_to_all_single(out, inp, out_splits, in_splits, opts)
+
+
+def _wire_body(rank, world):
+    rec = Recorder(dist.group.WORLD)
+    cfg = CommConfig(all_gather=QuantConfig(bits=4), reduce_scatter=QuantConfig(bits=2),
+                     all_reduce=QuantConfig(bits=3))
+    pg = qcomm.QcommProcessGroup(rec, cfg, owns_inner=False)
+    n = 5000
+    qcomm.all_gather_into_tensor(torch.empty(world * n), make(rank, n), pg)
+    qcomm.reduce_scatter_tensor(torch.empty(n), make(rank, world * n), ReduceOp.AVG, pg)
+    qcomm.all_reduce(make(rank, 2 * n + 1), ReduceOp.SUM, pg)
+    chunk = -(-(2 * n + 1) // world)
+    expected = [
+        ("all_gather", packed_nbytes(n, cfg.all_gather)),
+        ("all_to_all", world * packed_nbytes(n, cfg.reduce_scatter)),
+        ("all_to_all", world * packed_nbytes(chunk, cfg.all_reduce)),
+        ("all_gather", packed_nbytes(chunk, cfg.all_reduce)),
+    ]
+    assert rec.sent == expected, (rec.sent, expected)
+    s = qcomm.stats(pg)
+    assert s["all_gather"].wire_bytes == (world - 1) * packed_nbytes(n, cfg.all_gather)
+    assert s["all_gather"].logical_bytes == (world - 1) * n * 4
+    assert s["reduce_scatter"].ratio > 15  # 2 bits vs 32
+    return rec.sent
+
+
+def test_wire_bytes_equal_packed_nbytes():
+    run_ranks(_wire_body, 2, backend="gloo")
+
+
+def _misc_body(rank, world):
+    group = dist.group.WORLD
+    x = make(rank, 4096)
+    # async_op: a Work, like torch
+    out = torch.empty(world * 4096)
+    work = qcomm.all_gather_into_tensor(out, x, group, async_op=True)
+    assert work is not None and work.wait()
+    t = x.clone()
+    work = qcomm.all_reduce(t, group=group, async_op=True)
+    work.wait()
+    # seeds advance: the same input twice gives different (stochastic) codes
+    a, b = torch.empty(world * 4096), torch.empty(world * 4096)
+    same = torch.full((4096,), 0.3) + torch.linspace(0, 1, 4096)
+    qcomm.all_gather_into_tensor(a, same, group)
+    qcomm.all_gather_into_tensor(b, same, group)
+    assert not torch.equal(a, b), "seed did not advance between calls"
+    # ...and rank contributions differ: identical inputs on both ranks, different codes
+    assert not torch.equal(a[:4096], a[4096:8192]), "ranks' seeds coincide"
+    # local validation, before any communication
+    with pytest.raises(ValueError, match="times the elements"):
+        qcomm.all_gather_into_tensor(torch.empty(4096), x, group)
+    with pytest.raises(TypeError, match="dtype"):
+        qcomm.all_gather_into_tensor(torch.empty(world * 4096, dtype=torch.bfloat16), x, group)
+    with pytest.raises(ValueError, match="times the elements"):
+        qcomm.reduce_scatter_tensor(torch.empty(4095), x, group=group)
+    with pytest.raises(TypeError, match="config"):
+        qcomm.all_reduce(x.clone(), group=group, config="8bit")
+    # a config that differs between ranks is a clear error, not garbage
+    q = QuantConfig(rounding="nearest" if rank else "stochastic")
+    with pytest.raises(ValueError, match="rounding"):
+        qcomm.all_gather_into_tensor(torch.empty(world * 4096), x, group, config=q)
+    return True
+
+
+def test_async_seeds_validation_mismatch():
+    run_ranks(_misc_body, 2, backend="gloo")
+
+
+def test_config_agreement_checked_through_store():
+    from qcomm.process_group import _check_agreement
+
+    store = dist.HashStore()
+    errors = {}
+
+    def run(rank, cfg):
+        try:
+            _check_agreement(store, rank, 2, cfg)
+        except ValueError as err:
+            errors[rank] = str(err)
+
+    threads = [threading.Thread(target=run, args=(0, CommConfig())),
+               threading.Thread(target=run, args=(1, CommConfig(min_numel=7)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert set(errors) == {0, 1} and "min_numel=7" in errors[0]
+
+
+def test_bad_env_names_variable(monkeypatch):
+    monkeypatch.setenv("QCOMM_AG_BITS", "9")
+    with pytest.raises(ValueError, match="QCOMM_AG_BITS"):
+        dist.init_process_group("qcomm", store=dist.HashStore(), rank=0, world_size=1)
+    assert not dist.is_initialized()
