@@ -3,6 +3,7 @@
     python -m bench codec                       # quantize/dequantize vs memcpy
     python -m bench collectives                 # ranks on loopback (self-launched)
     python -m bench collectives --link 1gbit    # two namespaces behind a shaped link
+    python -m bench train                       # FSDP2 training, exact vs quantized
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 
 import torch
 
-from . import codec, collectives
+from . import codec, collectives, train
 
 
 def parser() -> argparse.ArgumentParser:
@@ -20,8 +21,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
-    for name, module in (("codec", codec), ("collectives", collectives)):
-        q = sub.add_parser(name, help=module.__doc__.splitlines()[0],
+    for name, module in (("codec", codec), ("collectives", collectives), ("train", train)):
+        summary = " ".join(module.__doc__.split("\n\n")[0].split()).split(": ", 1)[-1]
+        q = sub.add_parser(name, help=summary,
                            description=module.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(q, on_gpu)

@@ -99,6 +99,17 @@ def _raise_signal(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def link_shaping(rate: str) -> dict:
+    """What a :class:`ShapedLink` of ``rate`` sets up (for the run header)."""
+    _, bits = parse_rate(rate)
+    return {"rate_bit_s": bits, "qdisc": "tbf", "burst_bytes": _burst(bits),
+            "latency": TBF_LATENCY, "addresses": list(ADDRS), "ranks": "first half on a"}
+
+
+def _burst(bits_per_s: int) -> int:
+    return max(TBF_MIN_BURST, int(bits_per_s / 8 * TBF_BURST_S))
+
+
 class ShapedLink:
     """Two namespaces joined by a veth pair shaped to ``rate`` each way (a context manager)."""
 
@@ -107,7 +118,7 @@ class ShapedLink:
         if parsed is None:
             raise ValueError("ShapedLink needs a rate; run on loopback without one")
         self.rate, self.bits_per_s = parsed
-        self.burst_bytes = max(TBF_MIN_BURST, int(self.bits_per_s / 8 * TBF_BURST_S))
+        self.burst_bytes = _burst(self.bits_per_s)
         tag = f"qcb{os.getpid()}"
         self.hosts = (Host(f"{tag}a", "qva", ADDRS[0]), Host(f"{tag}b", "qvb", ADDRS[1]))
         self._old_handlers: dict = {}
