@@ -21,6 +21,7 @@ the compiled reference.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 from dataclasses import dataclass
@@ -93,7 +94,8 @@ def _row(point: Point, op: str) -> dict:
 @torch.no_grad()  # as the collectives call the codec (grad mode is part of a compile's key)
 def run(args) -> list[dict]:
     device = torch.device(args.device)
-    sync = common.sync_fn(device)
+    timeit = functools.partial(common.measure, iters=args.iters, budget_s=args.budget,
+                               sync=common.sync_fn(device), cuda=device.type == "cuda")
     impls, notes = available_impls(device, args.impls)
     inputs = Inputs(device)
     rows: list[dict] = []
@@ -103,8 +105,7 @@ def run(args) -> list[dict]:
         x, y = inputs.get(p.dtype, p.numel)
         itemsize = x.element_size()
         if (p.dtype, p.numel) not in memcpy_s:
-            memcpy_s[p.dtype, p.numel] = common.measure(
-                lambda: y.copy_(x), iters=args.iters, budget_s=args.budget, sync=sync)
+            memcpy_s[p.dtype, p.numel] = timeit(lambda: y.copy_(x))
         copy_gbps = common.gbps(2 * p.numel * itemsize, memcpy_s[p.dtype, p.numel])
         config = QuantConfig(bits=p.bits, scheme=p.scheme)
         payload = torch.empty(qcomm.packed_nbytes(p.numel, config), dtype=torch.uint8,
@@ -115,11 +116,8 @@ def run(args) -> list[dict]:
             row.update(bytes=moved, memcpy_gbps=copy_gbps)
         for impl in impls:
             packed = qcomm.quantize(x, config, seed=1, impl=impl, out=payload)  # compiles
-            tq = common.measure(lambda: qcomm.quantize(x, config, seed=1, impl=impl,
-                                                       out=payload),
-                                iters=args.iters, budget_s=args.budget, sync=sync)
-            td = common.measure(lambda: qcomm.dequantize(packed, out=y, impl=impl, check=False),
-                                iters=args.iters, budget_s=args.budget, sync=sync)
+            tq = timeit(lambda: qcomm.quantize(x, config, seed=1, impl=impl, out=payload))
+            td = timeit(lambda: qcomm.dequantize(packed, out=y, impl=impl, check=False))
             for row, t in ((rq, tq), (rd, td)):
                 row[f"{impl}_us"] = t * 1e6
                 row[f"{impl}_gbps"] = common.gbps(moved, t)

@@ -68,14 +68,15 @@ class Case:
     world: int
     rank: int
     dtype: torch.dtype
+    device: torch.device
 
     def __post_init__(self) -> None:
         g = torch.Generator().manual_seed(1000 * self.rank + self.numel)
         shard = self.numel // self.world
         n_in = shard if self.coll == "all_gather" else self.numel
-        self.inp = torch.randn(n_in, generator=g).to(self.dtype)
+        self.inp = torch.randn(n_in, generator=g).to(self.device, self.dtype)
         n_out = shard if self.coll == "reduce_scatter" else self.numel
-        self.out = torch.empty(n_out, dtype=self.dtype)
+        self.out = torch.empty(n_out, dtype=self.dtype, device=self.device)
         self.count = self.numel if self.coll == "all_reduce" else shard
 
     def reset(self) -> None:
@@ -132,14 +133,15 @@ def _phases(case: Case, group, dist, bits: int) -> dict[str, Callable[[], None]]
     q = qcomm.QuantConfig(bits=bits)
     w, r = case.world, case.rank
     chunk = -(-case.numel // w)
-    x = torch.randn(chunk, dtype=case.dtype)
+    dev = case.device
+    x = torch.randn(chunk, device=dev).to(case.dtype)
     nb = qcomm.packed_nbytes(chunk, q)
-    send = torch.empty(w, nb, dtype=torch.uint8)
-    recv = torch.empty(w, nb, dtype=torch.uint8)
+    send = torch.empty(w, nb, dtype=torch.uint8, device=dev)
+    recv = torch.empty(w, nb, dtype=torch.uint8, device=dev)
     for j in range(w):
         qcomm.quantize(x, q, seed=j, out=send[j])
-    acc = torch.zeros(chunk, dtype=torch.float32)
-    y = torch.empty(chunk, dtype=case.dtype)
+    acc = torch.zeros(chunk, dtype=torch.float32, device=dev)
+    y = torch.empty(chunk, dtype=case.dtype, device=dev)
     peers = [j for j in range(w) if j != r]
 
     def packed(j):
@@ -176,12 +178,14 @@ class Timer:
     """The one timing loop of every rank: warm-up, barrier before each call, the slowest
     rank's time per call, median; the iteration count agreed by all ranks."""
 
-    def __init__(self, group, dist, iters: int, warmup: int, budget_s: float):
-        self.group, self.dist = group, dist
+    def __init__(self, group, dist, device: torch.device, iters: int, warmup: int,
+                 budget_s: float):
+        self.group, self.dist, self.device = group, dist, device
+        self.sync = common.sync_fn(device)
         self.iters, self.warmup, self.budget = iters, warmup, budget_s
 
     def _max(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.group)
         return t.tolist()
 
@@ -191,10 +195,11 @@ class Timer:
                 before()
             self.dist.barrier(group=self.group)
 
-        warm = common.time_calls(fn, max(1, self.warmup), before=barrier_then)
+        warm = common.time_calls(fn, max(1, self.warmup), before=barrier_then, sync=self.sync)
         estimate = self._max([min(warm)])[0]
         n = common.plan_iters(estimate, self.iters, self.budget)
-        return statistics.median(self._max(common.time_calls(fn, n, before=barrier_then)))
+        times = common.time_calls(fn, n, before=barrier_then, sync=self.sync)
+        return statistics.median(self._max(times))
 
 
 def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -211,18 +216,23 @@ def worker(spec: dict) -> None:
 
     start = time.monotonic()
     pin_this_rank()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec["op_timeout"]))
+    device = torch.device("cpu")
+    if spec["backend"] == "nccl":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    dist.init_process_group(spec["backend"], device_id=device if device.type == "cuda" else None,
+                            timeout=datetime.timedelta(seconds=spec["op_timeout"]))
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = DTYPES[spec["dtype"]]
-    timer = Timer(group, dist, spec["iters"], spec["warmup"], spec["budget"])
+    timer = Timer(group, dist, device, spec["iters"], spec["warmup"], spec["budget"])
     rows = []
     if rank == 0:
         print(f"# {spec['link']}: {world} ranks up ({time.monotonic() - start:.1f} s)",
               file=sys.stderr, flush=True)
     for coll in spec["collectives"]:
         for numel in spec["sizes"]:
-            case = Case(coll, numel, world, rank, dtype)
+            case = Case(coll, numel, world, rank, dtype, device)
             case.reset()
             _exact(case, group, dist)()
             ref = case.out.clone()  # the exact fp32 answer for rel_err
@@ -365,8 +375,8 @@ def plot_speedup(folder: Path):
 def run_one(args, rate: str | None) -> Path:
     """Launch the ranks for one link rate; print and write the results."""
     tag = rate or "loopback"
-    header = common.run_header("collectives", device="cpu (gloo)", link=tag,
-                               command=args.command)
+    device = "cuda (nccl)" if args.backend == "nccl" else "cpu (gloo)"
+    header = common.run_header("collectives", device=device, link=tag, command=args.command)
     if rate is not None:
         header["link_shaping"] = link_shaping(rate)
     header["sweep"] = {"sizes": args.sizes, "collectives": args.collectives,
@@ -377,6 +387,7 @@ def run_one(args, rate: str | None) -> Path:
         spec = {"sizes": args.sizes, "collectives": args.collectives,
                 "variants": args.variants, "iters": args.iters, "warmup": args.warmup,
                 "budget": args.budget, "dtype": args.dtype, "phases": not args.no_phases,
+                "backend": args.backend,
                 "link": tag, "op_timeout": args.op_timeout,
                 "result": str(Path(tmp) / "rows.json")}
         spec_path = Path(tmp) / "spec.json"
@@ -408,7 +419,14 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--link", type=common.arg(parse_links), default=[None],
                    help="comma list of link rates (100mbit, 1gbit, ...) or loopback; "
                         "a rate runs the ranks in two network namespaces (needs root)")
-    p.add_argument("--world", type=common.arg(parse_world), default=2, help="ranks (split over the two hosts)")
+    p.add_argument("--world", type=common.arg(parse_world),
+                   default=max(2, torch.cuda.device_count()),
+                   help="ranks (split over the two hosts with --link; default 2, or one per "
+                        "GPU)")
+    p.add_argument("--backend", choices=["gloo", "nccl"],
+                   default="nccl" if torch.cuda.device_count() >= 2 else "gloo",
+                   help="the inner backend: gloo on CPU tensors, nccl on one GPU per rank "
+                        "(default where there are 2+ GPUs)")
     p.add_argument("--sizes", type=common.arg(common.parse_sizes), default=common.parse_sizes("10..26:2"),
                    help="elements of the full buffer: LO..HI[:STEP] powers of two, 2^K, counts "
                         "(default 10..26:2)")

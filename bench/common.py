@@ -75,8 +75,16 @@ def measure(
     warmup: int = 1,
     budget_s: float | None = None,
     sync: Callable[[], None] = lambda: None,
+    cuda: bool = False,
 ) -> float:
-    """Median seconds per call of ``fn`` after ``warmup`` untimed calls."""
+    """Median seconds per call of ``fn`` after ``warmup`` untimed calls; on CUDA
+    (``cuda=True``) through ``triton.testing.do_bench`` (CUDA events, L2 flushed)."""
+    if cuda:
+        import triton.testing
+
+        # 100 ms of repetitions at most: a full GPU sweep has ~1,400 points.
+        rep_ms = 1000 * min(budget_s, 0.1) if budget_s else 100
+        return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") / 1e3
     warm = time_calls(fn, max(warmup, 1), sync=sync)
     n = plan_iters(min(warm), iters, budget_s)
     return statistics.median(time_calls(fn, n, sync=sync))

@@ -225,6 +225,9 @@ def run_ranks(argv: list[str], world: int, *, link: ShapedLink | None = None,
                                 GLOO_SOCKET_IFNAME=host.ifname,
                                 QCOMM_BENCH_CPUS=",".join(map(str, mine)),
                                 OMP_NUM_THREADS=str(len(mine)))
+                if link:  # NCCL too over the shaped veth: sockets only, no shm/P2P/IB
+                    rank_env.update(NCCL_SOCKET_IFNAME=host.ifname, NCCL_IB_DISABLE="1",
+                                    NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1")
                 log = Path(tmp) / f"rank{rank}.log"
                 logs.append(log)
                 # fd 2: rank 0's progress and prints go to this process's stderr.
