@@ -468,7 +468,7 @@ def main(args) -> int:
         except LinkError as err:
             print(f"python -m bench collectives: {err}", file=sys.stderr)
             return 2
-    if folder is not None and not args.no_plot and len(args.link) > 1:
+    if folder is not None and not args.no_plot:  # with >= 2 link rates in the folder
         png = plot_speedup(folder)
         if png:
             print(f"# wrote {png}", file=sys.stderr)

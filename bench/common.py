@@ -256,6 +256,8 @@ def run_header(what: str, *, device: str, link: str | None = None,
         "cpu": {"model": _cpu_model(), "cores": cores, "usable_cores": usable,
                 "memory_gib": _mem_total_gib()},
         "host": platform.node(),
+        # Other work on the machine skews CPU timings: the 1/5/15-minute load at the start.
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
         "link": link or "loopback",
         "versions": {
             "python": platform.python_version(),
@@ -288,7 +290,8 @@ def format_header(h: dict) -> str:
         )
     c = h["cpu"]
     lines.append(f"# CPU: {c['model']}, {c['cores']} cores ({c['usable_cores']} usable), "
-                 f"{c['memory_gib']} GiB; device {h['device']}")
+                 f"{c['memory_gib']} GiB, load {' '.join(map(str, h['load_avg']))}; "
+                 f"device {h['device']}")
     lines.append(f"# torch {v['torch']}, triton {v['triton']}, qcomm {v['qcomm']} "
                  f"({v['qcomm_git']}), python {v['python']}; link {h['link']}")
     return "\n".join(lines)

@@ -129,11 +129,13 @@ def test_collectives_loopback(tmp_path, capsys):
     assert "busbw(GB/s)" in out and "all_reduce" in out
 
 
-def test_link_needs_root(monkeypatch):
+def test_link_needs_root(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(link.os, "geteuid", lambda: 1000)
     with pytest.raises(link.LinkError, match="needs root"):
         with link.ShapedLink("1gbit"):
             pass
+    assert main(["collectives", "--link", "1gbit", "--out", str(tmp_path)]) == 2
+    assert "--link needs root" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not ROOT_AND_IP, reason="network namespaces need root and iproute2")
