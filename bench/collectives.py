@@ -50,6 +50,7 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 BUS_FACTOR = {"all_gather": lambda w: (w - 1) / w, "reduce_scatter": lambda w: (w - 1) / w,
               "all_reduce": lambda w: 2 * (w - 1) / w}
 VARIANTS = ("exact", "qcomm8", "qcomm4", "qcomm2", "bf16")
+PHASES = ("quant", "xfer", "dequant")  # qcomm's steps, timed on their own
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Issue 4's target: at >= 16 MiB over a slow link, speedup >= 0.9 x compression ratio.
 TARGET_MIN_BYTES = 16 << 20
@@ -207,6 +208,46 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def _measure(case: Case, variant: str, ref: torch.Tensor, group, dist, timer: Timer,
+             spec: dict) -> dict:
+    """One row: time ``variant`` on ``case``, then its error, wire bytes and phases."""
+    import qcomm
+
+    bits = int(variant[5:]) if variant.startswith("qcomm") else None
+    if variant == "exact":
+        fn = _exact(case, group, dist)
+    elif variant == "bf16":
+        fn = _bf16(case, group, dist)
+    else:
+        fn = _qcomm(case, group, bits)
+    t = timer(fn, before=case.reset)
+    case.reset()
+    qcomm.stats(group, reset=True)
+    fn()  # once more, untimed: the error and the bytes this call put on the wire
+    itemsize = case.inp.element_size()
+    size = case.numel * itemsize
+    factor = BUS_FACTOR[case.coll](case.world)
+    exact_wire = int(size * factor)
+    row = {"collective": case.coll, "variant": variant, "size": size, "count": case.count,
+           "type": spec["dtype"], "time_us": t * 1e6, "algbw": size / t / 1e9,
+           "busbw": size / t / 1e9 * factor, "rel_err": _rel_err(case.out, ref),
+           "world": case.world, "link": spec["link"]}
+    if bits is None:
+        row["wire"] = exact_wire * 2 // itemsize if variant == "bf16" else exact_wire
+    else:
+        s = qcomm.stats(group, reset=True)[case.coll]
+        row["wire"] = s.wire_bytes
+        row["compressed"] = s.calls_compressed > 0
+        if spec["phases"] and row["compressed"]:
+            for name, phase in _phases(case, group, dist, bits).items():
+                row[f"{name}_us"] = timer(phase) * 1e6
+            # what the phases timed on their own do not explain (headers, copies, the
+            # link's state between phases, noise)
+            row["other_us"] = row["time_us"] - sum(row[f"{k}_us"] for k in PHASES)
+    row["ratio"] = exact_wire / row["wire"] if row["wire"] else float("nan")
+    return row
+
+
 @torch.no_grad()  # as the collectives run: the compiled codec recompiles on grad mode
 def worker(spec: dict) -> None:
     """One rank: run the sweep; rank 0 writes the rows to ``spec["result"]``."""
@@ -236,44 +277,15 @@ def worker(spec: dict) -> None:
             case.reset()
             _exact(case, group, dist)()
             ref = case.out.clone()  # the exact fp32 answer for rel_err
-            size = numel * case.inp.element_size()
-            exact_wire = int(size * BUS_FACTOR[coll](world))
             exact_t = None
             for variant in spec["variants"]:
-                bits = int(variant[5:]) if variant.startswith("qcomm") else None
-                if variant == "exact":
-                    fn = _exact(case, group, dist)
-                elif variant == "bf16":
-                    fn = _bf16(case, group, dist)
-                else:
-                    fn = _qcomm(case, group, bits)
-                t = timer(fn, before=case.reset)
-                case.reset()
-                qcomm.stats(group, reset=True)
-                fn()
-                err = _rel_err(case.out, ref)
-                row = {"collective": coll, "variant": variant, "size": size,
-                       "count": case.count, "type": spec["dtype"], "time_us": t * 1e6,
-                       "algbw": size / t / 1e9, "busbw": size / t / 1e9 * BUS_FACTOR[coll](world),
-                       "rel_err": err, "world": world, "link": spec["link"]}
-                if bits is not None:
-                    s = qcomm.stats(group, reset=True)[coll]
-                    row["wire"] = s.wire_bytes
-                    row["compressed"] = s.calls_compressed > 0
-                    if spec["phases"] and row["compressed"]:
-                        for name, phase in _phases(case, group, dist, bits).items():
-                            row[f"{name}_us"] = timer(phase) * 1e6
-                else:
-                    itemsize = case.inp.element_size()
-                    row["wire"] = exact_wire * 2 // itemsize if variant == "bf16" else exact_wire
-                row["ratio"] = exact_wire / row["wire"] if row["wire"] else float("nan")
-                if variant == "exact":
-                    exact_t = t
+                row = _measure(case, variant, ref, group, dist, timer, spec)
+                exact_t = row["time_us"] if variant == "exact" else exact_t
                 if exact_t is not None:
-                    row["speedup"] = exact_t / t
+                    row["speedup"] = exact_t / row["time_us"]
                 rows.append(row)
             if rank == 0:
-                print(f"# {spec['link']}: {coll} {common.human_bytes(size)} done "
+                print(f"# {spec['link']}: {coll} {common.human_bytes(row['size'])} done "
                       f"({time.monotonic() - start:.1f} s)", file=sys.stderr, flush=True)
     dist.barrier(group=group)
     if rank == 0:
@@ -291,8 +303,7 @@ def columns(phases: bool) -> list[Column]:
             Column("wire", "wire(B)"), Column("ratio", "ratio", "{:.2f}x"),
             Column("speedup", "speedup", "{:.2f}x"), Column("rel_err", "rel_err", "{:.2e}")]
     if phases:
-        cols += [Column("quant_us", "quant(us)", "{:.1f}"), Column("xfer_us", "xfer(us)", "{:.1f}"),
-                 Column("dequant_us", "dequant(us)", "{:.1f}")]
+        cols += [Column(f"{k}_us", f"{k}(us)", "{:.1f}") for k in (*PHASES, "other")]
     return cols
 
 
@@ -306,9 +317,9 @@ def target_lines(rows: list[dict]) -> list[str]:
             frac = row["speedup"] / row["ratio"]
             where = ""
             if "quant_us" in row:
-                where = (f"; quant {row['quant_us'] / 1e3:.1f} ms, xfer "
-                         f"{row['xfer_us'] / 1e3:.1f} ms, dequant {row['dequant_us'] / 1e3:.1f} ms"
-                         f" of {row['time_us'] / 1e3:.1f} ms")
+                where = "; " + ", ".join(f"{k} {row[f'{k}_us'] / 1e3:.1f} ms"
+                                         for k in (*PHASES, "other"))
+                where += f" of {row['time_us'] / 1e3:.1f} ms"
             lines.append(
                 f"# {row['link']:>8} {row['collective']:14s} {common.human_bytes(row['size']):>9} "
                 f"{row['variant']}: speedup {row['speedup']:.2f}x / ratio {row['ratio']:.2f}x = "
