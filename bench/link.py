@@ -127,7 +127,7 @@ class ShapedLink:
         if os.geteuid() != 0:
             raise LinkError("--link needs root (network namespaces and tc); run as root, or "
                             "drop --link to run the ranks on loopback")
-        for tool in ("ip",):
+        for tool in ("ip", "tc"):
             if shutil.which(tool) is None:
                 raise LinkError(f"--link needs `{tool}` (iproute2), not found on PATH")
         for host in self.hosts:
