@@ -16,36 +16,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from conftest import run_ranks
 
+from qcomm.demo import VOCAB, TinyLM, batch
+
 pytestmark = pytest.mark.slow
 
 STEPS = 20
-VOCAB, DIM, SEQ, BATCH = 64, 64, 16, 8
 # 8-bit stochastic weights and gradients (the defaults): every per-step loss within 2%
 # of gloo's over 20 steps (measured here: at most 0.45%, FSDP2 with bf16 params).
 LOSS_RTOL = 0.02
-
-
-class TinyLM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(DIM, 4, 2 * DIM, dropout=0.0, batch_first=True)
-            for _ in range(2)
-        )
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(h)
-
-
-def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(10_000 * rank + step)
-    x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    return x, (3 * x + 1) % VOCAB  # a learnable map: the loss falls within 20 steps
 
 
 def digest(tensors) -> str:
@@ -162,3 +140,19 @@ def test_hsdp_trains_on_qcomm():
     # mesh [[0, 1], [2, 3]]: ranks 0 and 2 hold the same shard, as do 1 and 3
     compressed = _compare("hsdp", 4, [(0, 2), (1, 3)])
     assert compressed["all_reduce"] > 0 and compressed["reduce_scatter"] > 0, compressed
+
+
+def test_demo_runs_compiled_codec():
+    """The README's command, end to end; the one test on the compiled (torch.compile)
+    CPU codec path, which the other tests skip for time (QCOMM_COMPILE=0)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "QCOMM_COMPILE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "qcomm.demo", "--steps", "3", "--dim", "64"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.strip()}
+    assert float(lines["all_gather"][-1].rstrip("x")) > 3.5, proc.stdout
+    assert float(lines["reduce_scatter"][-1].rstrip("x")) > 3.5, proc.stdout
