@@ -94,6 +94,10 @@ class GroupState:
         self.buffers = _BufferCache()
         self.stats = Stats()
         self.lock = threading.Lock()
+        # (numel, dtype, config) whose received headers were checked on a CUDA group:
+        # reading headers back costs a device sync, which would stall FSDP's overlap
+        # if paid per call; CPU groups check every call (free).
+        self.checked: set = set()
 
     def next_call(self) -> int:
         return next(self.calls)
@@ -205,9 +209,14 @@ def call_seed(base: int, call: int, stream: int) -> int:
 
 
 def _check_rows(rows: torch.Tensor, numel: int, dtype: torch.dtype, q: QuantConfig,
-                skip: int | None) -> None:
+                skip: int | None, state: GroupState) -> None:
     """Check every received payload's header with one device-to-host copy; a mismatch
     (ranks with different configs or sizes) is a clear error naming the sender."""
+    if rows.device.type == "cuda":
+        key = (numel, dtype, q)
+        if key in state.checked:
+            return
+        state.checked.add(key)
     expected = layout.encode_header(numel, dtype, q)
     heads = rows[:, :HEADER_NBYTES].cpu()
     for r in range(rows.shape[0]):
@@ -270,7 +279,7 @@ def packed_all_gather(inner, outs: list[torch.Tensor], inp: torch.Tensor, q: Qua
     quantize(inp, q, seed=seed, out=send, impl=_impl(inp.device))  # reads inp first
     inner_all_gather(inner, recv, send).wait()
     rows = recv.view(world, nb)
-    _check_rows(rows, n, inp.dtype, q, skip=None)
+    _check_rows(rows, n, inp.dtype, q, skip=None, state=state)
     for r, out in enumerate(outs):
         dequantize(_row_packed(rows[r], n, inp.dtype, q), out=out, check=False,
                    impl=_impl(inp.device))
@@ -300,7 +309,7 @@ def packed_reduce_scatter(inner, chunks: list[torch.Tensor], rank: int, q: Quant
                           .payload)
     inner_all_to_all(inner, recv, send.view(-1)).wait()
     rows = recv.view(world, nb)
-    _check_rows(rows, n, dtype, q, skip=rank)
+    _check_rows(rows, n, dtype, q, skip=rank, state=state)
     acc = state.buffers.get("rs_acc", n, torch.float32, device)
     acc.copy_(chunks[rank].reshape(-1))
     for j in range(world):
@@ -369,6 +378,7 @@ def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group=None, *,
     return gather_into(group, outs, out, inp, config=config, async_op=async_op)
 
 
+@torch.no_grad()
 def gather_into(group, outs: list[torch.Tensor], out_flat: torch.Tensor | None,
                 inp: torch.Tensor, *, config=None, async_op: bool = False, exact=None,
                 can_compress: bool = True):
@@ -406,6 +416,7 @@ def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op=ReduceOp.SUM,
     return scatter_from(group, out, chunks, inp, op, config=config, async_op=async_op)
 
 
+@torch.no_grad()
 def scatter_from(group, out: torch.Tensor, chunks: list[torch.Tensor],
                  inp_flat: torch.Tensor | None, op, *, config=None, async_op: bool = False,
                  exact=None, can_compress: bool = True):
@@ -441,6 +452,7 @@ def scatter_from(group, out: torch.Tensor, chunks: list[torch.Tensor],
     return completed_work([out]) if async_op else None
 
 
+@torch.no_grad()
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *, config=None,
                async_op: bool = False):
     """Reduce ``tensor`` in place over the group (SUM, AVG, PREMUL_SUM compressed by

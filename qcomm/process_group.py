@@ -182,6 +182,14 @@ class QcommProcessGroup(dist.ProcessGroup):
 
     alltoall_base = all_to_all_single
 
+    # torch's _coalescing_manager(group, device) brackets collectives that each run here
+    # as they are called (every Work below is complete or waited for by its caller).
+    def _start_coalescing(self, device) -> None:
+        pass
+
+    def _end_coalescing(self, device):
+        return C.completed_work()
+
     def shutdown(self) -> None:
         if self._owns_inner:
             self.inner.shutdown()

@@ -80,8 +80,17 @@ def _entry_points_body(rank, world):
     dist.all_reduce_coalesced(ts)
     work = dist.all_reduce(ts[0], async_op=True)
     work.wait()
+    # torch's coalescing manager: fast path (our *_coalesced) and the device path
+    # (_start_coalescing / _end_coalescing around each op)
+    with dist._coalescing_manager():
+        dist.all_gather_into_tensor(o1, x)
+        dist.all_gather_into_tensor(o2, x)
+    assert not torch.equal(o1, o2), "seeds did not advance between coalesced calls"
+    assert (o1 - ref).abs().max() < 0.1
+    with dist._coalescing_manager(device=torch.device("cpu")):
+        dist.all_reduce(ts[1])
     s = qcomm.stats()
-    assert s["all_gather"].calls_compressed >= 7 and s["all_reduce"].calls_compressed >= 4
+    assert s["all_gather"].calls_compressed >= 9 and s["all_reduce"].calls_compressed >= 5
     return {"ag": outs["all_gather_single"], "ar": t}
 
 
