@@ -37,7 +37,6 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
@@ -67,7 +66,7 @@ class _BufferCache:
     """
 
     def __init__(self) -> None:
-        self._bufs: OrderedDict = OrderedDict()
+        self._bufs: dict = {}
 
     def get(self, role: str, numel: int, dtype: torch.dtype, device: torch.device):
         nbytes = numel * torch.empty((), dtype=dtype).element_size()

@@ -44,7 +44,7 @@ def bucket_steps(x: torch.Tensor, q: QuantConfig) -> torch.Tensor:
     return step.repeat_interleave(b)[:n]
 
 
-def bound(steps: torch.Tensor, q: QuantConfig, dtype) -> torch.Tensor:
+def bound(steps: torch.Tensor, q: QuantConfig) -> torch.Tensor:
     """Error bound from steps: one step (stochastic) or half (nearest), with fp32 slack."""
     factor = 1.0 if q.rounding == "stochastic" else 0.5
     return steps * factor * 1.001 + 1e-6
@@ -66,14 +66,14 @@ def _compressed_body(rank, world, q, dtype, n):
     qcomm.all_gather_into_tensor(out, out[rank * n:(rank + 1) * n], group, config=q)
     exact = torch.cat(inputs)
     steps = torch.cat([bucket_steps(t, q) for t in inputs])
-    assert_within(out, exact, bound(steps, q, dtype), "all-gather")
+    assert_within(out, exact, bound(steps, q), "all-gather")
     res["ag"] = out
     # reduce-scatter, SUM / AVG / PREMUL_SUM
     big = [make(r, world * n, dtype, salt=1) for r in range(world)]
     total = torch.stack([t.float() for t in big]).sum(0)
     chunk_steps = torch.stack([bucket_steps(t.view(world, n)[rank], q) for t in big])
     peers = [r for r in range(world) if r != rank]
-    rs_bound = bound(chunk_steps[peers].sum(0), q, dtype)
+    rs_bound = bound(chunk_steps[peers].sum(0), q)
     mine = slice(rank * n, (rank + 1) * n)
     for op, scale in ((ReduceOp.SUM, 1.0), (ReduceOp.AVG, 1.0 / world),
                       (dist._make_nccl_premul_sum(0.25), 0.25)):
@@ -268,8 +268,24 @@ def test_config_agreement_checked_through_store():
     assert set(errors) == {0, 1} and "min_numel=7" in errors[0]
 
 
-def test_bad_env_names_variable(monkeypatch):
-    monkeypatch.setenv("QCOMM_AG_BITS", "9")
-    with pytest.raises(ValueError, match="QCOMM_AG_BITS"):
+@pytest.mark.parametrize("var,value", [("QCOMM_AG_BITS", "9"), ("QCOMM_INNER", "mpi"),
+                                       ("QCOMM_MIN_NUMEL", "many")])
+def test_bad_env_names_variable(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=var):
         dist.init_process_group("qcomm", store=dist.HashStore(), rank=0, world_size=1)
     assert not dist.is_initialized()
+
+
+def test_single_rank_group_is_exact():
+    dist.init_process_group("qcomm", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        x = make(0, 4096)
+        y = x.clone()
+        dist.all_reduce(y)
+        out = torch.empty(4096)
+        dist.all_gather_into_tensor(out, x)
+        assert torch.equal(y, x) and torch.equal(out, x)  # nothing leaves the rank
+        assert qcomm.stats()["all_reduce"].calls_exact == 1
+    finally:
+        dist.destroy_process_group()

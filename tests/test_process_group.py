@@ -89,6 +89,11 @@ def _entry_points_body(rank, world):
     assert (o1 - ref).abs().max() < 0.1
     with dist._coalescing_manager(device=torch.device("cpu")):
         dist.all_reduce(ts[1])
+    # functional collectives (DTensor.full_tensor, torch.compile'd code) reach C++ names
+    import torch.distributed._functional_collectives as funcol
+
+    gathered = funcol.wait_tensor(funcol.all_gather_tensor(x, 0, pg))
+    assert (gathered - ref).abs().max() < 0.1
     s = qcomm.stats()
     assert s["all_gather"].calls_compressed >= 9 and s["all_reduce"].calls_compressed >= 5
     return {"ag": outs["all_gather_single"], "ar": t}
