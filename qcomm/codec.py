@@ -54,8 +54,9 @@ class Packed:
         return self.payload[HEADER_NBYTES:end].view(torch.float32)
 
     def codes(self) -> torch.Tensor:
-        """The packed codes (a view into the payload)."""
-        return self.payload[HEADER_NBYTES + layout.meta_nbytes(self.numel, self.config):]
+        """The packed codes (a view into the payload, without the tail padding)."""
+        start = HEADER_NBYTES + layout.meta_nbytes(self.numel, self.config)
+        return self.payload[start:start + layout.codes_nbytes(self.numel, self.config.bits)]
 
     @staticmethod
     def from_payload(payload: torch.Tensor, numel: int, dtype: torch.dtype,
@@ -92,8 +93,8 @@ def _what(t) -> str:
 
 def _select_impl(device: torch.device, impl: str | None) -> str:
     if impl is None:
-        return "triton" if device.type == "cuda" else "torch"
-    if impl not in IMPLS:
+        impl = "triton" if device.type == "cuda" else "torch"
+    elif impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
     if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
@@ -108,7 +109,7 @@ def _select_impl(device: torch.device, impl: str | None) -> str:
 _compile_lock = threading.Lock()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(fn, **static):
     # One compiled graph per static key (scheme, bits, ...), dynamic in the size: a
     # flat FSDP shard changes length per parameter group, and recompiling per size
@@ -178,6 +179,9 @@ def quantize(
         payload = out
     packed = Packed(payload, n, x.dtype, config, x.shape)
     payload[:HEADER_NBYTES].copy_(_header_tensor(n, x.dtype, config, x.device))
+    used = HEADER_NBYTES + layout.meta_nbytes(n, config) + layout.codes_nbytes(n, config.bits)
+    if used < nbytes:
+        payload[used:].zero_()  # the alignment padding: the same bytes on the wire every time
     if n == 0:
         return packed
     flat = x.reshape(-1)

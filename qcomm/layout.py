@@ -3,9 +3,11 @@
 ::
 
     offset 0                    32                         32 + 4*W*nb
-    +---------------------------+--------------------------+------------------------------+
-    | header (32 bytes)         | meta: fp32 x W per bucket | codes: ceil(n/8) * b bytes  |
-    +---------------------------+--------------------------+------------------------------+
+    +---------------------------+--------------------------+-----------------------------+-----+
+    | header (32 bytes)         | meta: fp32 x W per bucket | codes: ceil(n/8) * b bytes | pad |
+    +---------------------------+--------------------------+-----------------------------+-----+
+    pad: zero bytes up to a multiple of 16, so payloads laid back to back (an all-gather's
+    [W, nbytes] buffer) each start 16-byte aligned and their fp32 meta can be viewed in place.
 
     header (little-endian):
       [0:2]   magic  b"QC"            [8:12]  bucket_size  uint32
@@ -41,6 +43,7 @@ from __future__ import annotations
 import torch
 
 HEADER_NBYTES = 32
+ALIGN = 16  # every payload's size is a multiple of this
 MAGIC = b"QC"
 VERSION = 1
 MASK32 = 0xFFFFFFFF
@@ -88,7 +91,8 @@ def packed_nbytes(numel: int, config) -> int:
     """Exact wire size of ``numel`` elements under ``config``, known before quantizing."""
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise ValueError(f"packed_nbytes: numel must be an int >= 0, got {numel!r}")
-    return HEADER_NBYTES + meta_nbytes(numel, config) + codes_nbytes(numel, config.bits)
+    raw = HEADER_NBYTES + meta_nbytes(numel, config) + codes_nbytes(numel, config.bits)
+    return -(-raw // ALIGN) * ALIGN
 
 
 def encode_header(numel: int, dtype: torch.dtype, config) -> bytes:

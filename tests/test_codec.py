@@ -60,7 +60,7 @@ def test_codes_layout_literal(bits, codes, expected):
     x = torch.tensor(codes + [0, top] + [0] * 6, dtype=torch.float32)
     cfg = QuantConfig(bits=bits, bucket_size=16, scheme="minmax", rounding="nearest")
     p = quantize(x, cfg, impl=EAGER)
-    assert p.nbytes == packed_nbytes(16, cfg) == HEADER_NBYTES + 8 + 2 * bits
+    assert p.nbytes == packed_nbytes(16, cfg) == HEADER_NBYTES + 16 * math.ceil((8 + 2 * bits) / 16)
     meta = struct.unpack("<2f", bytes(p.payload[HEADER_NBYTES:HEADER_NBYTES + 8].tolist()))
     assert meta == (0.0, 1.0)
     assert p.codes()[:bits].tolist() == expected
@@ -93,8 +93,12 @@ def test_packed_nbytes_exact(scheme, bits, n):
     p = quantize(torch.randn(n), cfg, impl=EAGER)
     assert p.nbytes == packed_nbytes(n, cfg)
     words = 2 if scheme == "minmax" else 1  # [min, step] vs [step] or [scale]
-    expected = HEADER_NBYTES + 4 * words * math.ceil(n / 1024) + math.ceil(n / 8) * bits
-    assert packed_nbytes(n, cfg) == expected
+    raw = HEADER_NBYTES + 4 * words * math.ceil(n / 1024) + math.ceil(n / 8) * bits
+    assert packed_nbytes(n, cfg) == 16 * math.ceil(raw / 16)  # padded to 16 bytes
+    # the padding is zero, whatever the buffer held before
+    out = torch.full((p.nbytes,), 0xAB, dtype=torch.uint8)
+    q = quantize(torch.randn(n), cfg, impl=EAGER, out=out)
+    assert (q.payload[raw:] == 0).all() and q.codes().numel() == math.ceil(n / 8) * bits
 
 
 def test_compression_ratio_fp32():
