@@ -74,11 +74,23 @@ def uniform(index: torch.Tensor, key: int | torch.Tensor) -> torch.Tensor:
     of int64 on the CPU path.
     """
     lo = index.to(torch.int32)  # truncates mod 2^32
+    hi = (index >> 32).to(torch.int32)
     h = lo * _i32(GOLDEN) + key
-    if index.dtype == torch.int64:  # hi32(i) is 0 below 2^31: xor with 0 * GOLDEN_HI
-        h = h ^ ((index >> 32).to(torch.int32) * _i32(GOLDEN_HI))
+    h = h ^ (hi * _i32(GOLDEN_HI))
     h = _fmix32(h)
     return _srl(h, 8).to(torch.float32) * (1.0 / 16777216.0)
+
+
+def _bucket_reduce(t: torch.Tensor, op) -> torch.Tensor:
+    """Reduce each bucket (row of ``t``) to ``[nb, 1]`` in two stages: across rows of 16
+    (or 8) lanes first, then the lanes. Inductor vectorizes the first stage vertically:
+    measured 25 GB/s for a max over [2^14, 1024] fp32 against 5 GB/s reducing each row
+    at once (dynamic shapes, 2 cores). Exact for min and max; the NaN test of a sum is
+    order-free; the fp64 L2 sum rounds to the same fp32 as any other order w.h.p.
+    """
+    nb, B = t.shape
+    lanes = 16 if B % 16 == 0 else 8
+    return op(op(t.view(nb, B // lanes, lanes), dim=1), dim=1, keepdim=True)
 
 
 def divisor_for(scheme_id: int, bits: int) -> float:
@@ -120,41 +132,58 @@ def quantize_reference(
     """
     n = x.numel()
     B = bucket_size
-    nb = -(-n // B)
+    sid = effective_scheme_id(scheme, bits)
+    if divisor is None:
+        divisor = torch.tensor(divisor_for(sid, bits), dtype=torch.float32, device=x.device)
     xf = x.reshape(-1).to(torch.float32)
-    xp = torch.nn.functional.pad(xf, (0, nb * B - n)).view(nb, B)
-    # int32 lanes are twice as many per vector as int64 ones; element indices need 64
-    # bits only past 2^31 elements (a guard: one more compile for such sizes).
-    wide = nb * B >= 2**31
-    index = torch.arange(nb * B, device=x.device,
-                         dtype=torch.int64 if wide else torch.int32).view(nb, B)
-    valid = index < n
+    # Full buckets go through mask-free code; the last, partial bucket (< B elements) is
+    # padded and masked on its own. Masks over the whole tensor cost 6x: 13.7 GB/s
+    # without against 2.3 GB/s with (minmax 8 bits, 2^24 elements, 2 cores, Inductor).
+    full = n // B
+    kw = dict(bits=bits, sid=sid, l2=l2, stochastic=stochastic, key=key, divisor=divisor)
+    meta, codes = _quantize_buckets(xf[: full * B].view(full, B), 0, None, **kw)
+    if full * B == n:
+        return meta.reshape(-1), pack_codes(codes.reshape(-1), bits)
+    rest = n - full * B
+    valid = torch.arange(B, device=x.device) < rest
+    tail = torch.nn.functional.pad(xf[full * B:], (0, B - rest)).view(1, B)
+    tmeta, tcodes = _quantize_buckets(tail, full * B, valid.view(1, B), **kw)
+    tcodes = tcodes.reshape(-1)[: -(-rest // 8) * 8]
+    return (torch.cat([meta.reshape(-1), tmeta.reshape(-1)]),
+            torch.cat([pack_codes(codes.reshape(-1), bits), pack_codes(tcodes, bits)]))
+
+
+def _quantize_buckets(xp, start, valid, *, bits, sid, l2, stochastic, key, divisor):
+    """Quantize buckets ``xp`` [nb, B] (fp32) whose first element has index ``start``;
+    ``valid`` masks the padding of a partial bucket (None: all valid).
+    Returns (meta [nb, W] fp32, codes [nb, B] int32; padding codes 0)."""
+    nb, B = xp.shape
+    L = levels(sid, bits)
+    index = start + torch.arange(nb * B, device=xp.device, dtype=torch.int64).view(nb, B)
     # inf * 0 and NaN * 0 are NaN; finite * 0 is +-0: the sum is NaN iff the bucket
     # holds a non-finite value, whatever the summation order.
-    bad = torch.isnan((xp * 0.0).sum(dim=1, keepdim=True))
+    bad = torch.isnan(_bucket_reduce(xp * 0.0, torch.sum))
     if stochastic:
         thr = 1.0 - uniform(index, key)  # P(frac > 1 - u) = frac for u on [0, 1)
     else:
         thr = 0.5
-    sid = effective_scheme_id(scheme, bits)
-    L = levels(sid, bits)
-    if divisor is None:
-        divisor = torch.tensor(divisor_for(sid, bits), dtype=torch.float32, device=x.device)
-    nan = torch.tensor(float("nan"), dtype=torch.float32, device=x.device)
+    nan = torch.tensor(float("nan"), dtype=torch.float32, device=xp.device)
     if sid == 0:  # minmax
-        mn = torch.where(valid, xp, float("inf")).amin(dim=1, keepdim=True)
-        mx = torch.where(valid, xp, float("-inf")).amax(dim=1, keepdim=True)
+        lo_in = xp if valid is None else torch.where(valid, xp, float("inf"))
+        hi_in = xp if valid is None else torch.where(valid, xp, float("-inf"))
+        mn = _bucket_reduce(lo_in, torch.amin)
+        mx = _bucket_reduce(hi_in, torch.amax)
         step = (mx - mn) / divisor
         t = torch.where(step > 0, (xp - mn) / step, 0.0)
         t = torch.where(bad, 0.0, t)
         codes = _round_codes(t, thr, L - 1)
         meta = torch.cat([torch.where(bad, nan, mn), torch.where(bad, nan, step)], dim=1)
-    else:
+    else:  # padding is 0: it changes neither max |x| nor the L2 norm
         if l2:
-            scale = xp.to(torch.float64).square().sum(dim=1, keepdim=True).sqrt()
+            scale = _bucket_reduce(xp.to(torch.float64).square(), torch.sum).sqrt()
             scale = scale.to(torch.float32)
         else:
-            scale = xp.abs().amax(dim=1, keepdim=True)
+            scale = _bucket_reduce(xp.abs(), torch.amax)
         if sid == 1:  # maxnorm: x = (k - c) * step, c = (L - 1) / 2
             step = scale / divisor
             t = torch.where(step > 0, xp / step, 0.0) + divisor
@@ -175,10 +204,9 @@ def quantize_reference(
             sign = (xp < 0).to(torch.int32)
             codes = (sign << (bits - 1)) | j
             meta = torch.where(bad, nan, scale)
-    codes = torch.where(valid, codes, 0)
-    # Pack the whole padded bucket grid, then cut: packing first keeps the codes in the
-    # per-bucket loop (a slice first made Inductor store t and reload it, 8 B/element).
-    return meta.reshape(-1), pack_codes(codes.reshape(-1), bits)[: -(-n // 8) * bits]
+    if valid is not None:
+        codes = torch.where(valid, codes, 0)
+    return meta, codes
 
 
 def _byte_pieces(bits: int, m: int):
