@@ -267,8 +267,17 @@ def make_inner(store, rank: int, size: int, timeout, spec: str | None) -> dist.P
 
 
 def _check_agreement(store, rank: int, size: int, config: CommConfig) -> None:
-    """Every rank must run the same config (a mismatch would decode garbage or hang):
-    compared through the store once at group creation (rank 0 against all)."""
+    """Every rank must run the same config, compared through the store once at group
+    creation (rank 0 against all; every other rank against rank 0), so that a rank
+    started with other ``QCOMM_*`` variables fails ``init_process_group`` / ``new_group``
+    naming both configs. Without it ranks could choose differently between compressed
+    and exact calls, and gloo aborts the process on messages of unexpected size.
+
+    The other agreements (collectives.py): groups made by :func:`wrap` and plain groups
+    used through the direct functions compare configs at their first collective; every
+    compressed call on a CPU group then compares a descriptor (size, dtype, config,
+    kind, op, call index) before its payloads move; received payload headers are
+    checked as well."""
     mine = repr(config)
     store.set(f"qcomm/config/{rank}", mine)
     peers = range(1, size) if rank == 0 else (0,)
@@ -286,7 +295,9 @@ def _create(store, rank: int, size: int, timeout) -> QcommProcessGroup:
     config = comm_config_from_env()  # a bad QCOMM_* value fails here, naming it
     inner = make_inner(store, rank, size, timeout, config.inner)
     _check_agreement(store, rank, size, config)
-    return QcommProcessGroup(inner, config)
+    pg = QcommProcessGroup(inner, config)
+    pg._qcomm_state.agreed = True  # just checked: no exchange at the first collective
+    return pg
 
 
 def register() -> None:

@@ -9,7 +9,10 @@ whatever the inner algorithm (ring, tree) does with them:
 - all-reduce: a reduce-scatter followed by an all-gather of the reduced chunk
   (``2 (W - 1)`` chunks; what a ring all-reduce moves too).
 
-Exact calls count their uncompressed bytes on both sides.
+Exact calls count their uncompressed bytes on both sides. The small control
+messages of compressed calls (the 48-byte descriptor every rank checks before the
+payloads move, and a group's one config agreement) are counted apart, in
+``control_bytes``, so that ``ratio`` stays the codec's.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ class CollectiveStats:
     calls_compressed: int = 0  # calls sent as packed payloads
     calls_exact: int = 0  # calls passed through to the inner group unchanged
     logical_bytes: int = 0  # bytes the exact collective would send (see module doc)
-    wire_bytes: int = 0  # bytes actually handed to the inner group for peers
+    wire_bytes: int = 0  # payload bytes actually handed to the inner group for peers
+    control_bytes: int = 0  # descriptor / config-agreement bytes sent to peers
 
     @property
     def ratio(self) -> float:
@@ -51,6 +55,10 @@ class Stats:
                 s.calls_exact += 1
             s.logical_bytes += logical
             s.wire_bytes += wire
+
+    def record_control(self, kind: str, nbytes: int) -> None:
+        with self._lock:
+            self._by_kind[kind].control_bytes += nbytes
 
     def snapshot(self) -> dict[str, CollectiveStats]:
         with self._lock:

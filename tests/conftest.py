@@ -4,7 +4,9 @@
 group in each (a FileStore in a fresh temp dir, so no port is needed), calls
 ``fn(rank, world, *args)`` and returns the per-rank results in rank order. A rank that
 raises fails the test with its traceback; a run past ``timeout`` seconds is killed
-and fails, so nothing hangs.
+and fails, so nothing hangs. ``dead`` names ranks expected to die without a result
+(their slot is None); ``pg_timeout`` is the process groups' timeout; ``env`` may be
+one dict for all ranks or a list of one per rank.
 
 Workers run with ``QCOMM_COMPILE=0`` (the eager codec: ``torch.compile`` costs ~25 s per
 process and config) and one intra-op thread each (2 shared cores).
@@ -28,7 +30,7 @@ DEFAULT_TIMEOUT = 120.0
 WORKER_ENV = {"QCOMM_COMPILE": "0", "OMP_NUM_THREADS": "1"}
 
 
-def _worker(rank, world, store_path, backend, env, fn, args, results):
+def _worker(rank, world, store_path, backend, env, fn, args, results, pg_timeout=60.0):
     try:
         os.environ.update(env)
         torch.set_num_threads(1)
@@ -38,7 +40,7 @@ def _worker(rank, world, store_path, backend, env, fn, args, results):
 
         store = dist.FileStore(store_path, world)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
+                                timeout=timedelta(seconds=pg_timeout))
         try:
             out = fn(rank, world, *args)
         finally:
@@ -51,16 +53,18 @@ def _worker(rank, world, store_path, backend, env, fn, args, results):
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world: int, *args, backend: str = "qcomm", env: dict | None = None,
-              timeout: float = DEFAULT_TIMEOUT):
+def run_ranks(fn, world: int, *args, backend: str = "qcomm", env: dict | list | None = None,
+              timeout: float = DEFAULT_TIMEOUT, dead: tuple[int, ...] = (),
+              pg_timeout: float = 60.0):
     """Run ``fn(rank, world, *args)`` on ``world`` processes; return results by rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    full_env = {**WORKER_ENV, **(env or {})}
+    envs = env if isinstance(env, list) else [env] * world
     with tempfile.TemporaryDirectory(prefix="qcomm-test-") as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_worker, daemon=True,
-                             args=(r, world, store_path, backend, full_env, fn, args, results))
+                             args=(r, world, store_path, backend, {**WORKER_ENV, **(envs[r] or {})},
+                                   fn, args, results, pg_timeout))
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -68,7 +72,8 @@ def run_ranks(fn, world: int, *args, backend: str = "qcomm", env: dict | None = 
         errors: list[str] = []
         try:
             deadline = time.monotonic() + timeout
-            while len(got) + len(errors) < world:
+            alive = world - len(dead)
+            while len(got) + len(errors) < alive:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     pytest.fail(f"multi-process test timed out after {timeout:.0f} s "
@@ -76,13 +81,14 @@ def run_ranks(fn, world: int, *args, backend: str = "qcomm", env: dict | None = 
                 try:
                     rank, status, value = results.get(timeout=min(left, 1.0))
                 except queue.Empty:
-                    dead = [p for p in procs if p.exitcode not in (None, 0)]
-                    if dead and not errors and len(got) + len(errors) < world:
+                    crashed = [p for r, p in enumerate(procs)
+                               if p.exitcode not in (None, 0) and r not in dead]
+                    if crashed and not errors and len(got) + len(errors) < alive:
                         # a rank died without reporting (segfault, os._exit)
                         try:
                             rank, status, value = results.get(timeout=2.0)
                         except queue.Empty:
-                            pytest.fail(f"rank process exited with {dead[0].exitcode} "
+                            pytest.fail(f"rank process exited with {crashed[0].exitcode} "
                                         "without a result")
                     else:
                         continue
@@ -99,7 +105,7 @@ def run_ranks(fn, world: int, *args, backend: str = "qcomm", env: dict | None = 
                     p.join(timeout=5)
         if errors:
             pytest.fail("rank failed:\n" + "\n".join(errors), pytrace=False)
-        return [got[r] for r in range(world)]
+        return [got.get(r) for r in range(world)]
 
 
 def assert_close_where(actual: torch.Tensor, expected: torch.Tensor, atol,

@@ -19,6 +19,7 @@ from torch.distributed import ReduceOp
 
 import qcomm
 from qcomm import CommConfig, QuantConfig
+from qcomm.collectives import CONFIG_NBYTES, DESC_NBYTES
 from qcomm.layout import packed_nbytes
 
 pytestmark = pytest.mark.slow
@@ -191,15 +192,18 @@ def _wire_body(rank, world):
     qcomm.reduce_scatter_tensor(torch.empty(n), make(rank, world * n), ReduceOp.AVG, pg)
     qcomm.all_reduce(make(rank, 2 * n + 1), ReduceOp.SUM, pg)
     chunk = -(-(2 * n + 1) // world)
+    desc = ("all_gather", DESC_NBYTES)  # each compressed call's descriptor, checked first
     expected = [
-        ("all_gather", packed_nbytes(n, cfg.all_gather)),
-        ("all_to_all", world * packed_nbytes(n, cfg.reduce_scatter)),
-        ("all_to_all", world * packed_nbytes(chunk, cfg.all_reduce)),
+        ("all_gather", CONFIG_NBYTES),  # a wrapped group's config agreement, once
+        desc, ("all_gather", packed_nbytes(n, cfg.all_gather)),
+        desc, ("all_to_all", world * packed_nbytes(n, cfg.reduce_scatter)),
+        desc, ("all_to_all", world * packed_nbytes(chunk, cfg.all_reduce)),
         ("all_gather", packed_nbytes(chunk, cfg.all_reduce)),
     ]
     assert rec.sent == expected, (rec.sent, expected)
     s = qcomm.stats(pg)
     assert s["all_gather"].wire_bytes == (world - 1) * packed_nbytes(n, cfg.all_gather)
+    assert s["all_gather"].control_bytes == (world - 1) * (CONFIG_NBYTES + DESC_NBYTES)
     assert s["all_gather"].logical_bytes == (world - 1) * n * 4
     assert s["reduce_scatter"].ratio > 15  # 2 bits vs 32
     return rec.sent
