@@ -121,6 +121,11 @@ class CommConfig:
         return replace(self, **changes)
 
 
+# (variable suffix, QuantConfig field) of the codec settings the environment can set.
+_CODEC_VARS = (("BUCKET", "bucket_size"), ("SCHEME", "scheme"), ("NORM", "norm"),
+               ("ROUNDING", "rounding"))
+
+
 def _parse_int(env: Mapping[str, str], name: str, default: int) -> int:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
@@ -153,7 +158,9 @@ def comm_config_from_env(
 
     ``QCOMM_AG_BITS``, ``QCOMM_RS_BITS``, ``QCOMM_AR_BITS`` (1-8 or ``off``),
     ``QCOMM_BUCKET``, ``QCOMM_SCHEME``, ``QCOMM_NORM``, ``QCOMM_ROUNDING``,
-    ``QCOMM_MIN_NUMEL``, ``QCOMM_SEED``, ``QCOMM_INNER``. Unset variables keep
+    ``QCOMM_MIN_NUMEL``, ``QCOMM_SEED``, ``QCOMM_INNER``; ``QCOMM_AG_BUCKET``,
+    ``QCOMM_RS_SCHEME``, ... (``AG``/``RS``/``AR`` x ``BUCKET``/``SCHEME``/``NORM``/
+    ``ROUNDING``) set one collective and win over the common one. Unset variables keep
     ``base`` (default: :class:`CommConfig()`). A bad value raises ``ValueError``
     naming the variable.
     """
@@ -163,34 +170,37 @@ def comm_config_from_env(
         (q for q in (base.all_gather, base.reduce_scatter, base.all_reduce) if q is not None),
         QuantConfig(),
     )
-    common: dict = {}
-    if env.get("QCOMM_BUCKET", "").strip():
-        common["bucket_size"] = _parse_int(env, "QCOMM_BUCKET", template.bucket_size)
-    for var, key in (("QCOMM_SCHEME", "scheme"), ("QCOMM_NORM", "norm"),
-                     ("QCOMM_ROUNDING", "rounding")):
-        if env.get(var, "").strip():
-            common[key] = env[var].strip().lower()
 
-    def one(var: str, current: QuantConfig | None) -> QuantConfig | None:
+    def settings(prefix: str) -> dict[str, tuple[str, object]]:
+        """{field: (variable, value)}: QCOMM_<PREFIX>_<KEY> over QCOMM_<KEY>."""
+        found = {}
+        for key, field_ in _CODEC_VARS:
+            for var in (f"QCOMM_{key}", f"QCOMM_{prefix}_{key}"):  # the specific one wins
+                raw = env.get(var, "").strip()
+                if raw:
+                    value = _parse_int(env, var, 0) if field_ == "bucket_size" else raw.lower()
+                    found[field_] = (var, value)
+        return found
+
+    def one(prefix: str, current: QuantConfig | None) -> QuantConfig | None:
+        var = f"QCOMM_{prefix}_BITS"
         default_bits = None if current is None else current.bits
         bits = _parse_bits(env, var, default_bits)
         if bits is None:
             return None
         start = current if current is not None else template
+        given = settings(prefix)
         try:
-            return start.replace(bits=bits, **common)
+            return start.replace(bits=bits, **{k: v for k, (_, v) in given.items()})
         except (ValueError, TypeError) as err:
-            names = ", ".join(
-                v for v in ("QCOMM_BUCKET", "QCOMM_SCHEME", "QCOMM_NORM", "QCOMM_ROUNDING")
-                if env.get(v, "").strip()
-            )
-            raise ValueError(f"bad qcomm environment ({names or var}): {err}") from None
+            names = ", ".join(f"{name}={value!r}" for name, value in given.values()) or var
+            raise ValueError(f"bad qcomm environment ({names}): {err}") from None
 
     inner = env.get("QCOMM_INNER", "").strip() or base.inner
     return CommConfig(
-        all_gather=one("QCOMM_AG_BITS", base.all_gather),
-        reduce_scatter=one("QCOMM_RS_BITS", base.reduce_scatter),
-        all_reduce=one("QCOMM_AR_BITS", base.all_reduce),
+        all_gather=one("AG", base.all_gather),
+        reduce_scatter=one("RS", base.reduce_scatter),
+        all_reduce=one("AR", base.all_reduce),
         min_numel=_parse_int(env, "QCOMM_MIN_NUMEL", base.min_numel),
         seed=_parse_int(env, "QCOMM_SEED", base.seed),
         inner=inner,

@@ -1,0 +1,39 @@
+"""The environment -> CommConfig mapping (one function; errors name the variable)."""
+
+import pytest
+
+from qcomm import CommConfig, QuantConfig, comm_config_from_env
+
+
+def test_defaults_follow_qsdp():
+    c = comm_config_from_env({})
+    assert c == CommConfig()
+    for q in (c.all_gather, c.reduce_scatter, c.all_reduce):
+        assert (q.bits, q.bucket_size, q.rounding) == (8, 1024, "stochastic")
+    assert c.min_numel == 1024
+
+
+def test_common_and_per_collective_settings():
+    c = comm_config_from_env({
+        "QCOMM_AG_BITS": "4", "QCOMM_RS_BITS": "off", "QCOMM_AR_BITS": "2",
+        "QCOMM_BUCKET": "256", "QCOMM_AG_BUCKET": "128", "QCOMM_SCHEME": "nuq",
+        "QCOMM_AG_ROUNDING": "nearest", "QCOMM_AR_NORM": "l2", "QCOMM_MIN_NUMEL": "0x10",
+        "QCOMM_SEED": "7", "QCOMM_INNER": "gloo"})
+    assert c.all_gather == QuantConfig(bits=4, bucket_size=128, scheme="nuq", rounding="nearest")
+    assert c.reduce_scatter is None
+    assert c.all_reduce == QuantConfig(bits=2, bucket_size=256, scheme="nuq", norm="l2")
+    assert (c.min_numel, c.seed, c.inner) == (16, 7, "gloo")
+
+
+@pytest.mark.parametrize("env, name", [
+    ({"QCOMM_AG_BITS": "9"}, "QCOMM_AG_BITS"),
+    ({"QCOMM_RS_BITS": "eight"}, "QCOMM_RS_BITS"),
+    ({"QCOMM_BUCKET": "12"}, "QCOMM_BUCKET"),
+    ({"QCOMM_BUCKET": "big"}, "QCOMM_BUCKET"),
+    ({"QCOMM_AG_SCHEME": "qsgd"}, "QCOMM_AG_SCHEME"),
+    ({"QCOMM_ROUNDING": "up"}, "QCOMM_ROUNDING"),
+    ({"QCOMM_SEED": "x"}, "QCOMM_SEED"),
+])
+def test_bad_values_name_the_variable(env, name):
+    with pytest.raises(ValueError, match=name):
+        comm_config_from_env(env)
