@@ -168,26 +168,31 @@ def summary(rows: list[dict], impls: list[str], device: torch.device) -> list[st
 
 
 def plot(folder, rows: list[dict], impls: list[str], header: dict):
-    """GB/s vs size: one panel per op, a line per provider and bits (first dtype, scheme)."""
+    """GB/s vs size: a panel per op and scheme, a line per provider and bits, for one
+    dtype (float32 when measured); memcpy of that dtype in every panel."""
     if not rows:
         return None
-    dtype, scheme = rows[0]["dtype"], rows[0]["scheme"]
+    dtypes = {r["dtype"] for r in rows}
+    dtype = "float32" if "float32" in dtypes else rows[0]["dtype"]
+    schemes = [s for s in SCHEMES if any(r["scheme"] == s for r in rows)]
     panels = {}
     for op in OPS:
-        sel = [r for r in rows if r["op"] == op and r["dtype"] == dtype and r["scheme"] == scheme]
-        series = {}
-        for bits in sorted({r["bits"] for r in sel}):
-            pts = [r for r in sel if r["bits"] == bits]
-            for impl in impls:
-                series[f"{impl} {bits}b"] = ([r["numel"] for r in pts],
-                                             [r[f"{impl}_gbps"] for r in pts])
-        first = [r for r in sel if r["bits"] == sel[0]["bits"]] if sel else []
-        series["memcpy"] = ([r["numel"] for r in first], [r["memcpy_gbps"] for r in first])
-        panels[f"{op} ({dtype}, {scheme})"] = series
+        for scheme in schemes:
+            sel = [r for r in rows
+                   if r["op"] == op and r["dtype"] == dtype and r["scheme"] == scheme]
+            series = {}
+            for bits in sorted({r["bits"] for r in sel}):
+                pts = [r for r in sel if r["bits"] == bits]
+                for impl in impls:
+                    series[f"{impl} {bits}b"] = ([r["numel"] for r in pts],
+                                                 [r[f"{impl}_gbps"] for r in pts])
+            first = [r for r in sel if r["bits"] == sel[0]["bits"]] if sel else []
+            series["memcpy"] = ([r["numel"] for r in first], [r["memcpy_gbps"] for r in first])
+            panels[f"{op} ({dtype}, {scheme})"] = series
     return common.plot_lines(
         folder / "codec.png", panels, xlabel="elements", ylabel="GB/s (bytes read + written)",
-        suptitle=f"qcomm codec on {common.machine_name(header)} (torch {header['versions']['torch']})",
-        logy=True)
+        suptitle=f"qcomm codec on {common.machine_name(header)} "
+                 f"(torch {header['versions']['torch']})", logy=True, ncols=len(schemes))
 
 
 def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:

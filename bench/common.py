@@ -365,9 +365,10 @@ def plot_lines(
     logx: bool = True,
     logy: bool = False,
     hline: float | None = None,
+    ncols: int | None = None,
 ) -> Path | None:
-    """One subplot per panel, one line per series ``{label: (xs, ys)}``; None without
-    matplotlib."""
+    """One subplot per panel (``ncols`` to a row), one line per series
+    ``{label: (xs, ys)}``; None without matplotlib."""
     if not have_matplotlib() or not panels:
         return None
     import matplotlib
@@ -375,8 +376,12 @@ def plot_lines(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
-    for ax, (title, series) in zip(axes[0], panels.items()):
+    ncols = min(ncols or len(panels), len(panels))
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4.2 * nrows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (title, series) in zip(axes.flat, panels.items()):
         for label, (xs, ys) in series.items():
             ax.plot(xs, ys, marker="o", markersize=3, label=label)
         if logx:
