@@ -291,8 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-log2", type=int, default=20, help="largest size 2^N elements")
-    p.add_argument("--warmup", type=float, default=0.1, help="fraction of calls before "
-                   "memory growth is measured (default 0.1)")
+    # 0.2: the grow-only buffer cache keeps growing while ever larger sizes first appear
+    # per (role, dtype); measured here it held 86% of its final 18.6 MiB after 10% of the
+    # calls and 95% after 20% (RSS growth from 10%: +4.6% / +5.0%, from 50%: +0.5%).
+    p.add_argument("--warmup", type=float, default=0.2, help="fraction of calls before "
+                   "memory growth is measured (default 0.2)")
     p.add_argument("--sample", type=int, default=100, help="calls between RSS samples")
     p.add_argument("--max-growth", type=float, default=5.0,
                    help="fail if RSS grows more than this percent after warm-up")
