@@ -117,8 +117,12 @@ def quantize_reference(
     stochastic: bool,
     key: int | torch.Tensor,
     divisor: torch.Tensor | None = None,
+    meta_out: torch.Tensor | None = None,
+    codes_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a 1-D float tensor; returns (meta fp32 [nb * words], codes uint8).
+    """Quantize a 1-D float tensor; returns (meta fp32 [nb * words], codes uint8),
+    written into ``meta_out`` / ``codes_out`` when given (compiled, the graph then
+    stores straight into the payload: no temporaries, no copy).
 
     ``meta`` per bucket: minmax ``[min, step]``; maxnorm ``[step]``; nuq ``[scale]``.
     ``codes``: ``ceil(n / 8) * bits`` bytes, each group of 8 consecutive codes one
@@ -142,15 +146,20 @@ def quantize_reference(
     full = n // B
     kw = dict(bits=bits, sid=sid, l2=l2, stochastic=stochastic, key=key, divisor=divisor)
     meta, codes = _quantize_buckets(xf[: full * B].view(full, B), 0, None, **kw)
-    if full * B == n:
-        return meta.reshape(-1), pack_codes(codes.reshape(-1), bits)
-    rest = n - full * B
-    valid = torch.arange(B, device=x.device) < rest
-    tail = torch.nn.functional.pad(xf[full * B:], (0, B - rest)).view(1, B)
-    tmeta, tcodes = _quantize_buckets(tail, full * B, valid.view(1, B), **kw)
-    tcodes = tcodes.reshape(-1)[: -(-rest // 8) * 8]
-    return (torch.cat([meta.reshape(-1), tmeta.reshape(-1)]),
-            torch.cat([pack_codes(codes.reshape(-1), bits), pack_codes(tcodes, bits)]))
+    meta, codes = meta.reshape(-1), pack_codes(codes.reshape(-1), bits)
+    if full * B < n:
+        rest = n - full * B
+        valid = torch.arange(B, device=x.device) < rest
+        tail = torch.nn.functional.pad(xf[full * B:], (0, B - rest)).view(1, B)
+        tmeta, tcodes = _quantize_buckets(tail, full * B, valid.view(1, B), **kw)
+        tcodes = tcodes.reshape(-1)[: -(-rest // 8) * 8]
+        meta = torch.cat([meta, tmeta.reshape(-1)])
+        codes = torch.cat([codes, pack_codes(tcodes, bits)])
+    if meta_out is not None:
+        meta_out.copy_(meta)
+        codes_out.copy_(codes)
+        return meta_out, codes_out
+    return meta, codes
 
 
 def _quantize_buckets(xp, start, valid, *, bits, sid, l2, stochastic, key, divisor):
@@ -268,30 +277,51 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
 def dequantize_reference(
     meta: torch.Tensor,
     codes: torch.Tensor,
+    out: torch.Tensor,
     *,
-    numel: int,
     bits: int,
     bucket_size: int,
     scheme: str,
+    accumulate: bool = False,
 ) -> torch.Tensor:
-    """Decode to fp32 [numel] (callers cast or accumulate)."""
-    n = numel
+    """Decode into ``out`` (1-D, ``numel`` elements; cast to its dtype), or with
+    ``accumulate`` add the fp32 decode into it; returns ``out``.
+
+    The size comes from ``out`` (a tensor dimension, dynamic under ``torch.compile``)
+    rather than an int argument, which would be specialized: a compile per size.
+    """
+    n = out.numel()
     B = bucket_size
-    nb = -(-n // B)
     sid = effective_scheme_id(scheme, bits)
-    L = levels(sid, bits)
+    W = meta_words(sid)
     k = unpack_codes(codes, bits)
-    k = torch.nn.functional.pad(k, (0, nb * B - k.numel()))[: nb * B].view(nb, B)
-    m = meta.view(nb, meta_words(sid))
-    if sid == 0:
-        out = m[:, :1] + k.to(torch.float32) * m[:, 1:2]
-    elif sid == 1:
-        out = (k.to(torch.float32) - (L - 1) / 2.0) * m
+    full = n // B
+    # Full buckets without padding or masks; the partial last bucket on its own (as in
+    # quantize_reference: a pad over the whole tensor costs several times the decode).
+    y = _decode_buckets(meta[: full * W].view(full, W), k[: full * B].view(full, B),
+                        bits=bits, sid=sid).reshape(-1)
+    if full * B < n:
+        rest = n - full * B
+        tail = _decode_buckets(meta[full * W:].view(1, W), k[full * B: n].view(1, rest),
+                               bits=bits, sid=sid)
+        y = torch.cat([y, tail.reshape(-1)])
+    if accumulate:
+        out.add_(y)
     else:
-        M = L - 1
-        j = k & ((1 << (bits - 1)) - 1)
-        level = ((127 - M + j) << 23).view(torch.float32)
-        level = torch.where(j == 0, 0.0, level)
-        mag = m * level
-        out = torch.where((k >> (bits - 1)) == 1, -mag, mag)
-    return out.reshape(-1)[:n]
+        out.copy_(y)
+    return out
+
+
+def _decode_buckets(m: torch.Tensor, k: torch.Tensor, *, bits: int, sid: int) -> torch.Tensor:
+    """fp32 values of codes ``k`` [nb, b] under per-bucket meta ``m`` [nb, W]."""
+    L = levels(sid, bits)
+    if sid == 0:
+        return m[:, :1] + k.to(torch.float32) * m[:, 1:2]
+    if sid == 1:
+        return (k.to(torch.float32) - (L - 1) / 2.0) * m
+    M = L - 1
+    j = k & ((1 << (bits - 1)) - 1)
+    level = ((127 - M + j) << 23).view(torch.float32)
+    level = torch.where(j == 0, 0.0, level)
+    mag = m * level
+    return torch.where((k >> (bits - 1)) == 1, -mag, mag)
