@@ -152,21 +152,30 @@ def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
 
 
 def parse_variant(name: str) -> dict:
-    """``fp32`` or ``wAgB[-scheme]`` -> the QCOMM_* environment of that run."""
+    """``fp32`` or ``wAgB[-option...]`` -> the QCOMM_* environment of that run.
+
+    Options: a scheme (``nuq``, ``maxnorm``, ``minmax``) for both collectives;
+    ``wn`` weights (all-gather) rounded to nearest; ``wbN`` weight bucket size N.
+    """
     if name == "fp32":
         return {"QCOMM_AG_BITS": "off", "QCOMM_RS_BITS": "off", "QCOMM_AR_BITS": "off"}
-    head, _, scheme = name.partition("-")
-    if not (head.startswith("w") and "g" in head):
-        raise ValueError(f"bad variant {name!r}: use fp32 or wAgB[-nuq|-maxnorm|-minmax]")
+    head, *options = name.split("-")
+    if not (head.startswith("w") and head.count("g") == 1):
+        raise ValueError(f"bad variant {name!r}: use fp32 or wAgB[-nuq|-maxnorm|-wn|-wbN]")
     wbits, gbits = head[1:].split("g")
     env = {"QCOMM_AG_BITS": wbits, "QCOMM_RS_BITS": gbits, "QCOMM_AR_BITS": gbits}
     for var, value in (("QCOMM_AG_BITS", wbits), ("QCOMM_RS_BITS", gbits)):
         if not value.isdigit() or not 1 <= int(value) <= 8:
             raise ValueError(f"bad variant {name!r}: {var} would be {value!r} (1-8)")
-    if scheme:
-        if scheme not in ("nuq", "maxnorm", "minmax"):
-            raise ValueError(f"bad variant {name!r}: scheme {scheme!r}")
-        env["QCOMM_SCHEME"] = scheme
+    for opt in options:
+        if opt in ("nuq", "maxnorm", "minmax"):
+            env["QCOMM_SCHEME"] = opt
+        elif opt == "wn":
+            env["QCOMM_AG_ROUNDING"] = "nearest"
+        elif opt.startswith("wb") and opt[2:].isdigit():
+            env["QCOMM_AG_BUCKET"] = opt[2:]
+        else:
+            raise ValueError(f"bad variant {name!r}: option {opt!r} (nuq, maxnorm, wn, wbN)")
     return env
 
 

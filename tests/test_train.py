@@ -13,7 +13,9 @@ def test_variant_parsing():
     assert train.parse_variant("fp32")["QCOMM_AG_BITS"] == "off"
     env = train.parse_variant("w4g8-nuq")
     assert (env["QCOMM_AG_BITS"], env["QCOMM_RS_BITS"], env["QCOMM_SCHEME"]) == ("4", "8", "nuq")
-    for bad in ("w9g8", "w4", "x4g4", "w4g4-qsgd", "w0g8"):
+    env = train.parse_variant("w4g4-wn-wb128")
+    assert (env["QCOMM_AG_ROUNDING"], env["QCOMM_AG_BUCKET"]) == ("nearest", "128")
+    for bad in ("w9g8", "w4", "x4g4", "w4g4-qsgd", "w0g8", "w4g4-wbx"):
         with pytest.raises(ValueError, match="variant"):
             train.parse_variant(bad)
 
