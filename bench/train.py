@@ -322,6 +322,9 @@ def summarize(rows: list[dict]) -> tuple[list[dict], list[str]]:
             s["paired_diff_pct"] = statistics.fmean(paired)
             s["paired_se_pct"] = (statistics.stdev(paired) / math.sqrt(len(paired))
                                   if len(paired) > 1 else float("nan"))
+            if len(paired) > 1:
+                t_crit = T95[min(len(paired) - 1, len(T95)) - 1]
+                s["significant_95"] = abs(s["paired_diff_pct"]) > t_crit * s["paired_se_pct"]
         if base_step:
             s["speedup"] = base_step / s["step_s"]
             ratio = base_wire / s["wire_bytes_per_step"] if s["wire_bytes_per_step"] else 1.0
@@ -335,10 +338,14 @@ def summarize(rows: list[dict]) -> tuple[list[dict], list[str]]:
     return out, lines
 
 
+# Two-sided 95% Student t critical values for 1..10 degrees of freedom (then ~normal).
+T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
 SUMMARY_COLUMNS = [
     Column("variant", "variant"), Column("runs", "runs"),
     Column("final_eval_mean", "eval_loss", "{:.4f}"), Column("final_eval_sd", "sd", "{:.4f}"),
     Column("paired_diff_pct", "vs_fp32_%", "{:+.2f}"), Column("paired_se_pct", "se_%", "{:.2f}"),
+    Column("significant_95", "sig95"),
     Column("step_s", "step_s", "{:.3f}"), Column("tokens_per_s", "tok/s", "{:.0f}"),
     Column("comm_share", "comm", "{:.0%}"),
     Column("wire_mb_per_step", "wire_MB", "{:.3f}"),
@@ -379,9 +386,9 @@ def parse_ints(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
-    p.add_argument("--variants", type=common.arg(lambda s: [v for v in s.split(",") if
+    p.add_argument("--variants", type=common.arg(lambda s: [v for v in s.split(",") if v and
                                                            parse_variant(v) is not None]),
-                   default=["fp32", "w8g8", "w4g8", "w4g4", "w8g8-nuq", "w4g4-nuq"],
+                   default=["fp32", "w8g8", "w4g8", "w4g4", "w4g4-nuq", "w4g4-wn-wb128"],
                    help="fp32 first (the baseline); wAgB[-nuq|-maxnorm]")
     p.add_argument("--seeds", type=common.arg(parse_ints), default=[0],
                    help="data-order seeds (comma list); each variant runs every seed")
@@ -401,6 +408,9 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
                    help="read only this many training bytes (tests)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run, all in")
     p.add_argument("--op-timeout", type=float, default=600)
+    p.add_argument("--add-to", default=None, metavar="RUNS_JSON",
+                   help="a previous train-*-runs.json: its runs join this summary (the same "
+                        "model and link; e.g. one more variant against the same fp32 seeds)")
 
 
 def main(args) -> int:
@@ -414,6 +424,11 @@ def main(args) -> int:
                        "variants": args.variants}
     print(common.format_header(header), flush=True)
     rows = []
+    if args.add_to:  # earlier runs of the same set-up; the pairs run now replace theirs
+        earlier = json.loads(Path(args.add_to).read_text())
+        now = {(v, s) for v in args.variants for s in args.seeds}
+        rows = [r for r in earlier["runs"] if (r["variant"], r["data_seed"]) not in now]
+        header["added_to"] = earlier["header"]
     try:
         with ShapedLink(args.link) if parsed else contextlib.nullcontext() as link:
             for seed in args.seeds:
