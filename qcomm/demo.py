@@ -41,7 +41,9 @@ class TinyLM(nn.Module):
         h = self.embed(tokens)
         for layer in self.layers:
             h = layer(h)
-        return self.head(h)
+        # A Linear over [B, T, C] returns a view, which FSDP2 warns about (an in-place op
+        # on it would skip a hook); clone so the root module returns a tensor of its own.
+        return self.head(h).clone()
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
