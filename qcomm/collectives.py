@@ -554,18 +554,25 @@ def _check_contiguous(fn: str, name: str, t: torch.Tensor) -> None:
 # Public functions
 
 
+def _checked_pair(name: str, out, inp, group, *, gathered: bool):
+    """Validate a flat collective's (out, inp) before any communication; resolve the group."""
+    out, inp = _check_tensor("out", out), _check_tensor("inp", inp)
+    group = _c10d._get_default_group() if group is None else group
+    world = group.size()
+    _check_pair(name, out, inp, world, gathered=gathered)
+    _check_contiguous(name, "out", out)
+    _check_contiguous(name, "inp", inp)
+    return out, inp, group, world
+
+
 def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group=None, *,
                            config=None, async_op: bool = False):
     """Gather ``inp`` of every rank into ``out`` (``world * inp.numel()`` elements),
     quantized per ``config`` (the group's by default). Like
     :func:`torch.distributed.all_gather_into_tensor`; ``inp`` may alias its slot of
     ``out``."""
-    out, inp = _check_tensor("out", out), _check_tensor("inp", inp)
-    group = _c10d._get_default_group() if group is None else group
-    world = group.size()
-    _check_pair("all_gather_into_tensor", out, inp, world, gathered=True)
-    _check_contiguous("all_gather_into_tensor", "out", out)
-    _check_contiguous("all_gather_into_tensor", "inp", inp)
+    out, inp, group, world = _checked_pair("all_gather_into_tensor", out, inp, group,
+                                           gathered=True)
     outs = list(out.view(-1).chunk(world)) if inp.numel() else []
     return gather_into(group, outs, out, inp, config=config, async_op=async_op)
 
@@ -603,12 +610,8 @@ def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op=ReduceOp.SUM,
     """Reduce ``inp`` (``world * out.numel()`` elements) over the group and scatter:
     rank r gets the reduction of chunk r in ``out``. SUM, AVG and PREMUL_SUM are
     compressed; other ops go exact. Like :func:`torch.distributed.reduce_scatter_tensor`."""
-    out, inp = _check_tensor("out", out), _check_tensor("inp", inp)
-    group = _c10d._get_default_group() if group is None else group
-    world = group.size()
-    _check_pair("reduce_scatter_tensor", out, inp, world, gathered=False)
-    _check_contiguous("reduce_scatter_tensor", "out", out)
-    _check_contiguous("reduce_scatter_tensor", "inp", inp)
+    out, inp, group, world = _checked_pair("reduce_scatter_tensor", out, inp, group,
+                                           gathered=False)
     chunks = list(inp.reshape(-1).chunk(world)) if out.numel() else []
     return scatter_from(group, out, chunks, inp, op, config=config, async_op=async_op)
 
