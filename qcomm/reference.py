@@ -146,6 +146,14 @@ def quantize_reference(
     full = n // B
     kw = dict(bits=bits, sid=sid, l2=l2, stochastic=stochastic, key=key, divisor=divisor)
     meta, codes = _quantize_buckets(xf[: full * B].view(full, B), 0, None, **kw)
+    codes = codes.to(torch.uint8)
+    if bits < 8 or sid != 0:
+        # Materialize the codes as bytes before packing (a graph break under
+        # torch.compile; a no-op in eager). Fused, Inductor recomputed each packed byte's
+        # codes from strided, gathered reads of x. Measured, 1 thread, 2^22 fp32:
+        # 4-bit minmax quantize 1.3 -> 2.7 GB/s, nuq 4-bit 0.29 -> 2.2, maxnorm 8-bit
+        # 0.32 -> 3.3; minmax 8-bit alone is faster fused (4.4 against 3.2 GB/s).
+        torch._dynamo.graph_break()
     meta, codes = meta.reshape(-1), pack_codes(codes.reshape(-1), bits)
     if full * B < n:
         rest = n - full * B
