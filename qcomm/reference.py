@@ -176,7 +176,10 @@ def _quantize_buckets(xp, start, valid, *, bits, sid, l2, stochastic, key, divis
     Returns (meta [nb, W] fp32, codes [nb, B] int32; padding codes 0)."""
     nb, B = xp.shape
     L = levels(sid, bits)
-    index = start + torch.arange(nb * B, device=xp.device, dtype=torch.int64).view(nb, B)
+    # Broadcast, not arange(nb * B).view(nb, B): Inductor (torch 2.13) fails to lower that
+    # reshape when nb is symbolic ("pop from empty list").
+    rows = torch.arange(nb, device=xp.device, dtype=torch.int64)[:, None] * B
+    index = start + rows + torch.arange(B, device=xp.device, dtype=torch.int64)
     # inf * 0 and NaN * 0 are NaN; finite * 0 is +-0: the sum is NaN iff the bucket
     # holds a non-finite value, whatever the summation order.
     bad = torch.isnan(_bucket_reduce(xp * 0.0, torch.sum))
