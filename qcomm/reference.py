@@ -153,7 +153,8 @@ def quantize_reference(
         # codes from strided, gathered reads of x. Measured, 1 thread, 2^22 fp32:
         # 4-bit minmax quantize 1.3 -> 2.7 GB/s, nuq 4-bit 0.29 -> 2.2, maxnorm 8-bit
         # 0.32 -> 3.3; minmax 8-bit alone is faster fused (4.4 against 3.2 GB/s).
-        torch._dynamo.graph_break()
+        if torch.compiler.is_compiling():  # eager: never touch dynamo (it crashed gloo
+            torch._dynamo.graph_break()     # ranks at exit: "terminate called ...")
     meta, codes = meta.reshape(-1), pack_codes(codes.reshape(-1), bits)
     if full * B < n:
         rest = n - full * B
