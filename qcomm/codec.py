@@ -78,6 +78,12 @@ def _header_cached(numel, dtype, config, device) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
 
 
+@functools.lru_cache(maxsize=64)
+def _divisor_tensor(sid: int, bits: int, device: str) -> torch.Tensor:
+    # A 0-d tensor, not a Python float: Inductor would turn x / constant into a multiply.
+    return torch.tensor(reference.divisor_for(sid, bits), device=device)
+
+
 def describe(payload: torch.Tensor) -> dict:
     """Parse a payload's header (numel, dtype, bits, scheme, ...) without decoding it."""
     if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8:
@@ -203,7 +209,7 @@ def quantize(
     sid = layout.effective_scheme_id(config.scheme, config.bits)
     static = dict(bits=config.bits, bucket_size=config.bucket_size, scheme=config.scheme,
                   l2=config.norm == "l2", stochastic=config.rounding == "stochastic")
-    divisor = torch.tensor(reference.divisor_for(sid, config.bits), device=x.device)
+    divisor = _divisor_tensor(sid, config.bits, str(x.device))
     key_t = torch.tensor(key, dtype=torch.int64, device=x.device)
     fn = reference.quantize_reference if path == "eager" else _compiled(
         reference.quantize_reference, **static)
@@ -273,27 +279,25 @@ def dequantize(
         result = torch.empty(shape, dtype=packed.dtype, device=device)
     if n == 0:
         return result
-    target = result.view(-1) if result.is_contiguous() else None
     config = packed.config
     if path == "triton":
         from .kernels import dequantize as kd
 
-        if target is None:  # non-contiguous out: decode contiguously, then copy or add
-            tmp = torch.empty(n, dtype=torch.float32, device=device)
-            kd.dequantize(packed.meta(), packed.codes(), tmp, config, False)
-            _store(result, tmp, accumulate)
-        else:
-            kd.dequantize(packed.meta(), packed.codes(), target, config, accumulate)
-        return result
-    static = dict(bits=config.bits, bucket_size=config.bucket_size, scheme=config.scheme)
-    fn = reference.dequantize_reference if path == "eager" else _compiled(
-        reference.dequantize_reference, **static)
-    extra = static if path == "eager" else {}
-    if target is not None and (accumulate or target.dtype in FLOAT_DTYPES):
-        fn(packed.meta(), packed.codes(), target, accumulate=accumulate, **extra)
-    else:  # non-contiguous out, or a dtype the graph was not built for: decode, then store
+        def decode(into, acc):
+            kd.dequantize(packed.meta(), packed.codes(), into, config, acc)
+    else:
+        static = dict(bits=config.bits, bucket_size=config.bucket_size, scheme=config.scheme)
+        fn = reference.dequantize_reference if path == "eager" else _compiled(
+            reference.dequantize_reference, **static)
+        extra = static if path == "eager" else {}
+
+        def decode(into, acc):
+            fn(packed.meta(), packed.codes(), into, accumulate=acc, **extra)
+    if result.is_contiguous() and (accumulate or result.dtype in FLOAT_DTYPES):
+        decode(result.view(-1), accumulate)
+    else:  # non-contiguous out, or a dtype neither path stores: decode, then store
         tmp = torch.empty(n, dtype=torch.float32, device=device)
-        fn(packed.meta(), packed.codes(), tmp, **extra)
+        decode(tmp, False)
         _store(result, tmp, accumulate)
     return result
 
