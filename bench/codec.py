@@ -101,6 +101,19 @@ def run(args) -> list[dict]:
     rows: list[dict] = []
     memcpy_s: dict = {}
     points = sweep(args.sizes, args.bits, args.schemes, args.dtypes)
+    try:
+        _measure_points(points, rows, impls, inputs, timeit, memcpy_s, device)
+    except KeyboardInterrupt:  # Ctrl-C (or `timeout -s INT`): keep what was measured
+        print(f"# interrupted after {len(rows) // 2} of {len(points)} points: reporting "
+              "those", file=sys.stderr, flush=True)
+    for note in notes:
+        print(f"# {note}", file=sys.stderr)
+    rows.sort(key=lambda r: (OPS.index(r["op"]), r["dtype"], r["scheme"], r["bits"], r["numel"]))
+    return rows
+
+
+def _measure_points(points, rows, impls, inputs, timeit, memcpy_s, device) -> None:
+    """Measure ``points`` in order, appending two rows (quantize, dequantize) per point."""
     for i, p in enumerate(points):
         x, y = inputs.get(p.dtype, p.numel)
         itemsize = x.element_size()
@@ -114,23 +127,25 @@ def run(args) -> list[dict]:
         rq, rd = _row(p, "quantize"), _row(p, "dequantize")
         for row in (rq, rd):
             row.update(bytes=moved, memcpy_gbps=copy_gbps)
-        for impl in impls:
-            packed = qcomm.quantize(x, config, seed=1, impl=impl, out=payload)  # compiles
-            tq = timeit(lambda: qcomm.quantize(x, config, seed=1, impl=impl, out=payload))
-            td = timeit(lambda: qcomm.dequantize(packed, out=y, impl=impl, check=False))
+        for impl in list(impls):
+            try:
+                packed = qcomm.quantize(x, config, seed=1, impl=impl, out=payload)  # compiles
+                tq = timeit(lambda: qcomm.quantize(x, config, seed=1, impl=impl, out=payload))
+                td = timeit(lambda: qcomm.dequantize(packed, out=y, impl=impl, check=False))
+            except Exception as e:  # one broken provider must not lose the others' sweep
+                print(f"# {impl} FAILED at {p}: {type(e).__name__}: {e}; dropped from the "
+                      "rest of the sweep", file=sys.stderr, flush=True)
+                impls.remove(impl)
+                continue
             for row, t in ((rq, tq), (rd, td)):
                 row[f"{impl}_us"] = t * 1e6
                 row[f"{impl}_gbps"] = common.gbps(moved, t)
                 row[f"{impl}_frac"] = row[f"{impl}_gbps"] / copy_gbps
-        if "triton" in impls and "torch" in impls:
+        if "triton_us" in rq and "torch_us" in rq:
             for row in (rq, rd):
                 row["triton_vs_torch"] = row["torch_us"] / row["triton_us"]
         rows += [rq, rd]
         print(f"# [{i + 1}/{len(points)}] {p}", file=sys.stderr, flush=True)
-    for note in notes:
-        print(f"# {note}", file=sys.stderr)
-    rows.sort(key=lambda r: (OPS.index(r["op"]), r["dtype"], r["scheme"], r["bits"], r["numel"]))
-    return rows
 
 
 def columns(impls: list[str]) -> list[Column]:
@@ -156,7 +171,8 @@ def summary(rows: list[dict], impls: list[str], device: torch.device) -> list[st
     for impl in impls:
         for op in OPS:
             fracs = [r[f"{impl}_frac"] for r in rows
-                     if r["op"] == op and r["numel"] >= TARGET_MIN_NUMEL]
+                     if r["op"] == op and r["numel"] >= TARGET_MIN_NUMEL
+                     and f"{impl}_frac" in r]
             if fracs:
                 med = statistics.median(fracs)
                 lines.append(
@@ -185,7 +201,8 @@ def plot(folder, rows: list[dict], impls: list[str], header: dict):
                 pts = [r for r in sel if r["bits"] == bits]
                 for impl in impls:
                     series[f"{impl} {bits}b"] = ([r["numel"] for r in pts],
-                                                 [r[f"{impl}_gbps"] for r in pts])
+                                                 [r.get(f"{impl}_gbps", float("nan"))
+                                                  for r in pts])
             first = [r for r in sel if r["bits"] == sel[0]["bits"]] if sel else []
             series["memcpy"] = ([r["numel"] for r in first], [r["memcpy_gbps"] for r in first])
             panels[f"{op} ({dtype}, {scheme})"] = series
@@ -238,7 +255,9 @@ def main(args) -> int:
                        "dtypes": args.dtypes, "iters": args.iters, "budget_s": args.budget}
     print(common.format_header(header), flush=True)
     rows = run(args)
-    impls, _ = available_impls(device, args.impls)
+    # the providers that measured anything (one that failed at its first point is gone)
+    impls = [i for i in available_impls(device, args.impls)[0]
+             if any(f"{i}_us" in r for r in rows)]
     folder = common.report("codec", header, columns(impls), rows, args.out, "codec")
     for line in summary(rows, impls, device):
         print(line)

@@ -8,10 +8,12 @@ import triton
 import triton.language as tl
 
 # The same constants as qcomm/reference.py (murmur3 fmix32, golden-ratio Weyl steps).
-FMIX_C1: tl.constexpr = 0x85EBCA6B
-FMIX_C2: tl.constexpr = 0xC2B2AE35
-GOLDEN: tl.constexpr = 0x9E3779B1
-GOLDEN_HI: tl.constexpr = 0x7F4A7C15
+# Globals must be constexpr *instances*: triton 3.6 refuses the annotated form
+# (``X: tl.constexpr = ...``) that later versions and the interpreter accept.
+FMIX_C1 = tl.constexpr(0x85EBCA6B)
+FMIX_C2 = tl.constexpr(0xC2B2AE35)
+GOLDEN = tl.constexpr(0x9E3779B1)
+GOLDEN_HI = tl.constexpr(0x7F4A7C15)
 
 
 @triton.jit

@@ -197,7 +197,10 @@ def op_type(op) -> _RedOpType:
 def premul_factor(op):
     """PREMUL_SUM's factor (float or 0-d tensor); None for any other op."""
     if op_type(op) == _RedOpType.PREMUL_SUM:
-        return op.factor
+        # ``.factor`` is torch >= 2.12; before, only pickling's (op, factor) state has it
+        # (torch 2.11 raised AttributeError here on every PREMUL_SUM).
+        factor = getattr(op, "factor", None)
+        return factor if factor is not None else op.__getstate__()[1]
     return None
 
 

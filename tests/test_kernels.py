@@ -131,3 +131,19 @@ def test_compiled_torch_path_matches_eager(cfg, dtype, monkeypatch):
         dequantize(a, out=acc, accumulate=True, impl="torch")
         dequantize(b, out=acc_eager, accumulate=True, impl="eager")
         assert torch.equal(acc, acc_eager)
+
+
+def test_kernels_compile_for_hopper():
+    """The full Triton pipeline down to an sm_90 cubin, which the interpreter never runs:
+    a kernel that interprets fine can still fail to compile (it did, on triton 3.6)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("compile_for_gpu.py")
+    run = subprocess.run([sys.executable, str(script), "90"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert "12 kernels compiled for sm_90" in run.stdout

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Everything qcomm checks and times on a lent GPU machine, in one call of at most 9 minutes
+# (the lease is 15 minutes, start included). Run from the repository root:
+#
+#     OUT=/some/folder bash bench/device_check.sh
+#
+# Phases, each under its own time limit so one slow phase cannot lose the others:
+#   1. the Triton kernels on CUDA == the eager torch reference on CPU, byte for byte
+#      (tests/test_kernels.py), and, at the same time, the CPU suite on this machine's
+#      torch (not the CI's version) with CUDA hidden;
+#   2. the "qcomm" backend on CUDA tensors == on CPU tensors, bit for bit (bench.crossdevice);
+#   3. codec throughput: Triton and torch.compile of the reference next to a same-run copy
+#      (fp32, every scheme, 2/4/8 bits), then Triton alone for bf16/fp16.
+# Results and logs go to $OUT/results.tgz (re-packed after every phase) and $OUT/log.txt.
+set -u
+OUT=${OUT:-/tmp/qcomm-device-out}
+R=/tmp/qcomm-results
+mkdir -p "$OUT" "$R"
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore::FutureWarning
+PY=${PY:-python3}
+log() { echo "== $(date +%T) $*"; }
+pack() { tar czf "$OUT/results.tgz" -C "$R" . ; }
+
+{
+log machine
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+$PY -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, \
+'triton', triton.__version__, torch.cuda.get_device_name(0))"
+
+log install
+$PY -m pip install -q --no-deps --no-build-isolation --no-index -e . \
+  || { echo "pip failed: linking kernels/ as qcomm/kernels instead"; ln -sfn ../kernels qcomm/kernels; }
+$PY -c "import qcomm, qcomm.kernels.quantize; print('qcomm', qcomm.__version__, 'from', qcomm.__file__)"
+
+log "phase 1: kernels on CUDA vs reference; CPU suite on this torch (parallel)"
+( timeout 170 $PY -m pytest -q --maxfail=10 -n 8 -p no:cacheprovider tests/test_kernels.py \
+    > "$R/test_kernels_cuda.log" 2>&1; echo "exit $?" >> "$R/test_kernels_cuda.log" ) &
+( CUDA_VISIBLE_DEVICES= timeout 170 $PY -m pytest -q -n 6 -p no:cacheprovider \
+    tests/test_config.py tests/test_codec.py tests/test_collectives.py \
+    tests/test_process_group.py tests/test_fsdp.py \
+    > "$R/test_cpu_suite_local_torch.log" 2>&1; echo "exit $?" >> "$R/test_cpu_suite_local_torch.log" ) &
+wait
+tail -n 4 "$R/test_kernels_cuda.log" "$R/test_cpu_suite_local_torch.log"
+pack
+
+log "phase 2: qcomm backend, CUDA vs CPU tensors"
+timeout 90 $PY -m bench.crossdevice --out "$R/crossdevice.json" > "$R/crossdevice.log" 2>&1
+echo "exit $?" >> "$R/crossdevice.log"
+grep -v "^\s*return func\|FutureWarning" "$R/crossdevice.log" | tail -n 12
+pack
+
+log "phase 3a: codec fp32, triton vs torch.compile vs copy"
+timeout -s INT 190 $PY -m bench codec --impls triton,torch --dtypes float32 --schemes all \
+  --bits 2,4,8 --sizes 22..28:2 --out "$R/codec-fp32" > "$R/codec-fp32.log" 2>&1
+echo "exit $?" >> "$R/codec-fp32.log"
+pack
+log "phase 3b: codec bf16/fp16, triton vs copy"
+timeout -s INT 60 $PY -m bench codec --impls triton --dtypes bfloat16,float16 --schemes all \
+  --bits 2,4,8 --sizes 20..28:2 --out "$R/codec-half" > "$R/codec-half.log" 2>&1
+echo "exit $?" >> "$R/codec-half.log"
+pack
+log done
+grep "^# triton\|^# torch\|exit" "$R"/codec-*.log
+} 2>&1 | tee "$OUT/log.txt"
+pack

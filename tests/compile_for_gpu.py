@@ -1,0 +1,70 @@
+"""Compile qcomm's Triton kernels for a GPU that this machine need not have.
+
+``python tests/compile_for_gpu.py [ARCH]`` (default 90, Hopper) lowers every kernel
+configuration given on the command line's defaults through the installed Triton's
+full pipeline (TTIR, TTGIR, LLVM IR, PTX, cubin) and prints one line per kernel. The
+Triton interpreter, how CI runs the kernels, skips that pipeline, and it is where
+version differences bite: triton 3.6 (the GPU image's) refused a global written as
+``X: tl.constexpr = ...`` that triton 3.9 and the interpreter accept. Run in its own
+process: ``TRITON_INTERPRET=1`` must not be set.
+"""
+
+import os
+import sys
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("compile_for_gpu.py: unset TRITON_INTERPRET (the interpreter compiles nothing)")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from qcomm.kernels.dequantize import _dequantize_kernel  # noqa: E402
+from qcomm.kernels.quantize import _quantize_kernel  # noqa: E402
+from qcomm.layout import effective_scheme_id, levels  # noqa: E402
+
+DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# (scheme, bits, dtype, bucket, l2, stochastic, accumulate): each code path of both kernels
+CASES = [
+    ("minmax", 8, "float32", 1024, False, True, False),
+    ("minmax", 4, "bfloat16", 128, False, False, True),
+    ("maxnorm", 3, "float16", 256, True, True, False),
+    ("nuq", 2, "bfloat16", 1024, False, True, False),
+    ("nuq", 7, "float32", 2048, True, False, True),
+    ("minmax", 1, "float32", 64, False, True, False),
+]
+
+
+def compile_case(scheme, bits, dtype, bucket, l2, stochastic, accumulate, arch):
+    target = GPUTarget("cuda", arch, 32)
+    sid = effective_scheme_id(scheme, bits)
+    common = dict(BITS=bits, B=bucket, BLOCK=triton.next_power_of_2(bucket), SCHEME=sid,
+                  LEVELS=levels(sid, bits))
+    warps = 4 if bucket <= 1024 else 8
+    q = dict(common, L2=l2, STOCHASTIC=stochastic)
+    sig = dict(x_ptr="*" + DTYPES[dtype], meta_ptr="*fp32", codes_ptr="*u8", n="i64",
+               n_groups="i64", key="i32", **{k: "constexpr" for k in q})
+    options = dict(num_warps=warps, enable_fp_fusion=False)
+    kq = triton.compile(ASTSource(_quantize_kernel, sig, constexprs=q), target=target,
+                        options=options)
+    d = dict(common, ACCUMULATE=accumulate)
+    out = "*fp32" if accumulate else "*" + DTYPES[dtype]
+    sig = dict(meta_ptr="*fp32", codes_ptr="*u8", out_ptr=out, n="i64", n_groups="i64",
+               **{k: "constexpr" for k in d})
+    kd = triton.compile(ASTSource(_dequantize_kernel, sig, constexprs=d), target=target,
+                        options=options)
+    return kq, kd
+
+
+def main() -> int:
+    arch = int(sys.argv[1]) if len(sys.argv) > 1 else 90
+    for case in CASES:
+        kq, kd = compile_case(*case, arch=arch)
+        print(f"sm_{arch} {case}: quantize cubin {len(kq.asm['cubin'])} B, "
+              f"dequantize cubin {len(kd.asm['cubin'])} B")
+    print(f"triton {triton.__version__}: {2 * len(CASES)} kernels compiled for sm_{arch}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
