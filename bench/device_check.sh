@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything qcomm checks and times on a lent GPU machine, in one call of at most 9 minutes
+# Everything qcomm checks and times on a lent GPU machine, in one call of about 7 minutes
 # (the lease is 15 minutes, start included). Run from the repository root:
 #
 #     OUT=/some/folder bash bench/device_check.sh
@@ -10,7 +10,8 @@
 #      torch (not the CI's version) with CUDA hidden;
 #   2. the "qcomm" backend on CUDA tensors == on CPU tensors, bit for bit (bench.crossdevice);
 #   3. codec throughput: Triton and torch.compile of the reference next to a same-run copy
-#      (fp32, every scheme, 2/4/8 bits), then Triton alone for bf16/fp16.
+#      (fp32, every scheme, 2/4/8 bits), then Triton alone for bf16/fp16;
+#   4. the same for 1, 2 and 4 warps per bucket program (the kernels' one tuning knob).
 # Results and logs go to $OUT/results.tgz (re-packed after every phase) and $OUT/log.txt.
 set -u
 OUT=${OUT:-/tmp/qcomm-device-out}
@@ -44,13 +45,13 @@ tail -n 4 "$R/test_kernels_cuda.log" "$R/test_cpu_suite_local_torch.log"
 pack
 
 log "phase 2: qcomm backend, CUDA vs CPU tensors"
-timeout 90 $PY -m bench.crossdevice --out "$R/crossdevice.json" > "$R/crossdevice.log" 2>&1
+timeout 60 $PY -m bench.crossdevice --out "$R/crossdevice.json" > "$R/crossdevice.log" 2>&1
 echo "exit $?" >> "$R/crossdevice.log"
 grep -v "^\s*return func\|FutureWarning" "$R/crossdevice.log" | tail -n 12
 pack
 
 log "phase 3a: codec fp32, triton vs torch.compile vs copy"
-timeout -s INT 190 $PY -m bench codec --impls triton,torch --dtypes float32 --schemes all \
+timeout -s INT 150 $PY -m bench codec --impls triton,torch --dtypes float32 --schemes all \
   --bits 2,4,8 --sizes 22..28:2 --out "$R/codec-fp32" > "$R/codec-fp32.log" 2>&1
 echo "exit $?" >> "$R/codec-fp32.log"
 pack
@@ -59,6 +60,16 @@ timeout -s INT 60 $PY -m bench codec --impls triton --dtypes bfloat16,float16 --
   --bits 2,4,8 --sizes 20..28:2 --out "$R/codec-half" > "$R/codec-half.log" 2>&1
 echo "exit $?" >> "$R/codec-half.log"
 pack
+log "phase 4: warps per bucket program (QCOMM_TRITON_WARPS), triton vs copy"
+for w in 1 2 4; do
+  QCOMM_TRITON_WARPS=$w timeout -s INT 45 $PY -m bench codec --impls triton \
+    --dtypes float32,bfloat16 --schemes minmax,nuq --bits 4,8 --sizes 24..28:2 --no-plot \
+    --out "$R/warps-$w" > "$R/warps-$w.log" 2>&1
+  echo "exit $?" >> "$R/warps-$w.log"
+  grep "^# triton" "$R/warps-$w.log" | sed "s/^/warps $w /"
+done
+pack
+nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
 log done
 grep "^# triton\|^# torch\|exit" "$R"/codec-*.log
 } 2>&1 | tee "$OUT/log.txt"

@@ -11,9 +11,7 @@ import triton.language as tl
 
 from qcomm.layout import effective_scheme_id, levels
 
-from ._common import load_unpack
-
-SMALL_BUCKET = 1024
+from ._common import load_unpack, num_warps
 
 
 @triton.jit
@@ -38,16 +36,22 @@ def _dequantize_kernel(
     n_groups,
     BITS: tl.constexpr,
     B: tl.constexpr,
-    BLOCK: tl.constexpr,
+    GBLOCK: tl.constexpr,
     SCHEME: tl.constexpr,
     LEVELS: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    WIDE: tl.constexpr,  # n >= 2^31: int64 element indices
 ):
-    bucket = tl.program_id(0).to(tl.int64)
-    lane = tl.arange(0, BLOCK)
-    index = bucket * B + lane
-    valid = (lane < B) & (index < n)
-    k = load_unpack(codes_ptr, bucket, n_groups, BITS, BLOCK, B // 8)
+    bucket = tl.program_id(0)
+    if WIDE:
+        bucket = bucket.to(tl.int64)
+    g = tl.arange(0, GBLOCK)  # the bucket as [groups, 8]: see quantize
+    grp = bucket * (B // 8) + g
+    gmask = (g < B // 8) & (grp < n_groups)
+    index = grp[:, None] * 8 + tl.arange(0, 8)[None, :]
+    valid = gmask[:, None] & (index < n)
+    k = load_unpack(codes_ptr, grp, gmask, BITS, ALIGNED)
     if SCHEME == 0:
         mn = tl.load(meta_ptr + bucket * 2)
         step = tl.load(meta_ptr + bucket * 2 + 1)
@@ -80,8 +84,9 @@ def dequantize(meta: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, confi
     sid = effective_scheme_id(config.scheme, config.bits)
     _dequantize_kernel[(-(-n // B),)](
         meta, codes, out, n, -(-n // 8),
-        BITS=config.bits, B=B, BLOCK=triton.next_power_of_2(B), SCHEME=sid,
+        BITS=config.bits, B=B, GBLOCK=triton.next_power_of_2(B // 8), SCHEME=sid,
         LEVELS=levels(sid, config.bits), ACCUMULATE=accumulate,
-        num_warps=4 if B <= SMALL_BUCKET else 8,
+        ALIGNED=codes.data_ptr() % 4 == 0, WIDE=n + config.bucket_size >= 2**31,
+        num_warps=num_warps(B),
         enable_fp_fusion=False,  # mn + k * step must round as torch does (no FMA)
     )

@@ -12,11 +12,7 @@ import triton.language as tl
 
 from qcomm.layout import effective_scheme_id, levels
 
-from ._common import pack_store, round_codes, uniform
-
-# 4 warps for buckets up to 1024 elements (8 values/thread), 8 beyond: enough loads in
-# flight per SM to stream at copy bandwidth without spilling the bucket's registers.
-SMALL_BUCKET = 1024
+from ._common import num_warps, pack_store, round_codes, scaled, uniform
 
 
 @triton.jit
@@ -29,29 +25,37 @@ def _quantize_kernel(
     key,  # 32-bit RNG key of this call (reference.seed_key)
     BITS: tl.constexpr,  # 1..8
     B: tl.constexpr,  # bucket size, a multiple of 8
-    BLOCK: tl.constexpr,  # next power of 2 >= B
+    GBLOCK: tl.constexpr,  # next power of 2 >= B // 8 (groups of 8 per bucket)
     SCHEME: tl.constexpr,  # 0 minmax, 1 maxnorm, 2 nuq (effective id)
     LEVELS: tl.constexpr,  # layout.levels(SCHEME, BITS)
     L2: tl.constexpr,  # scale = L2 norm instead of max |x| (maxnorm, nuq)
     STOCHASTIC: tl.constexpr,  # stochastic rounding, else nearest
+    ALIGNED: tl.constexpr,  # codes_ptr is 4-byte aligned: whole-word stores
+    WIDE: tl.constexpr,  # n >= 2^31: int64 element indices
 ):
-    bucket = tl.program_id(0).to(tl.int64)  # 64-bit: FSDP flat buffers pass 2^31 elements
-    lane = tl.arange(0, BLOCK)
-    index = bucket * B + lane
-    valid = (lane < B) & (index < n)
+    bucket = tl.program_id(0)
+    if WIDE:  # 64-bit indices only where needed: FSDP flat buffers can pass 2^31 elements
+        bucket = bucket.to(tl.int64)
+    # The bucket as a [groups, 8] tile: a row is one packed word's 8 codes, so packing
+    # reduces along rows (in-thread or one shuffle) instead of across the block.
+    g = tl.arange(0, GBLOCK)
+    grp = bucket * (B // 8) + g  # global group index
+    gmask = (g < B // 8) & (grp < n_groups)
+    index = grp[:, None] * 8 + tl.arange(0, 8)[None, :]
+    valid = gmask[:, None] & (index < n)
     x = tl.load(x_ptr + index, mask=valid, other=0.0).to(tl.float32)
     # NaN iff the bucket holds inf or NaN, whatever the summation order.
-    z = tl.sum(x * 0.0, axis=0)
+    z = tl.sum(tl.sum(x * 0.0, axis=1), axis=0)
     bad = z != z
     if STOCHASTIC:
-        thr = 1.0 - uniform(index, key)
+        thr = 1.0 - uniform(index, key, WIDE)
     else:
-        thr = tl.full([BLOCK], 0.5, tl.float32)
+        thr = tl.full([GBLOCK, 8], 0.5, tl.float32)
     if SCHEME == 0:
-        mn = tl.min(tl.where(valid, x, float("inf")), axis=0)
-        mx = tl.max(tl.where(valid, x, float("-inf")), axis=0)
+        mn = tl.min(tl.min(tl.where(valid, x, float("inf")), axis=1), axis=0)
+        mx = tl.max(tl.max(tl.where(valid, x, float("-inf")), axis=1), axis=0)
         step = tl.math.div_rn(mx - mn, LEVELS - 1.0)
-        t = tl.where(step > 0, tl.math.div_rn(x - mn, tl.where(step > 0, step, 1.0)), 0.0)
+        t = scaled(x - mn, step)
         t = tl.where(bad, 0.0, t)
         codes = round_codes(t, thr, LEVELS - 1)
         tl.store(meta_ptr + bucket * 2, tl.where(bad, float("nan"), mn))
@@ -59,20 +63,19 @@ def _quantize_kernel(
     else:
         if L2:
             x64 = x.to(tl.float64)
-            scale = tl.sqrt(tl.sum(x64 * x64, axis=0)).to(tl.float32)
+            scale = tl.sqrt(tl.sum(tl.sum(x64 * x64, axis=1), axis=0)).to(tl.float32)
         else:
-            scale = tl.max(tl.abs(x), axis=0)
-        safe = tl.where(scale > 0, scale, 1.0)
+            scale = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
         if SCHEME == 1:
             c = (LEVELS - 1) / 2.0
             step = tl.math.div_rn(scale, c)
-            t = tl.where(step > 0, tl.math.div_rn(x, tl.where(step > 0, step, 1.0)), 0.0) + c
+            t = scaled(x, step) + c
             t = tl.where(bad, 0.0, t)
             codes = round_codes(t, thr, LEVELS - 1)
             tl.store(meta_ptr + bucket, tl.where(bad, float("nan"), step))
         else:
             M: tl.constexpr = LEVELS - 1
-            r = tl.where(scale > 0, tl.math.div_rn(tl.abs(x), safe), 0.0)
+            r = scaled(tl.abs(x), scale)
             r = tl.minimum(tl.where(bad, 0.0, r), 1.0)
             rbits = r.to(tl.int32, bitcast=True)
             ebits = (rbits >> 23) & 0xFF
@@ -86,7 +89,7 @@ def _quantize_kernel(
             codes = (sign << (BITS - 1)) | j
             tl.store(meta_ptr + bucket, tl.where(bad, float("nan"), scale))
     codes = tl.where(valid, codes, 0)
-    pack_store(codes_ptr, codes, bucket, n_groups, BITS, BLOCK, B // 8)
+    pack_store(codes_ptr, codes, grp, gmask, BITS, ALIGNED)
 
 
 def quantize(x: torch.Tensor, meta: torch.Tensor, codes: torch.Tensor, config, key: int) -> None:
@@ -101,12 +104,13 @@ def quantize(x: torch.Tensor, meta: torch.Tensor, codes: torch.Tensor, config, k
     B = config.bucket_size
     sid = effective_scheme_id(config.scheme, config.bits)
     nb = -(-n // B)
-    block = triton.next_power_of_2(B)
     _quantize_kernel[(nb,)](
         x, meta, codes, n, -(-n // 8), key,
-        BITS=config.bits, B=B, BLOCK=block, SCHEME=sid, LEVELS=levels(sid, config.bits),
-        L2=config.norm == "l2", STOCHASTIC=config.rounding == "stochastic",
-        num_warps=4 if B <= SMALL_BUCKET else 8,
+        BITS=config.bits, B=B, GBLOCK=triton.next_power_of_2(B // 8), SCHEME=sid,
+        LEVELS=levels(sid, config.bits), L2=config.norm == "l2",
+        STOCHASTIC=config.rounding == "stochastic", ALIGNED=codes.data_ptr() % 4 == 0,
+        WIDE=n + config.bucket_size >= 2**31,
+        num_warps=num_warps(B),
         # A fused multiply-add rounds once where torch rounds twice and would flip a
         # code now and then: the wire bytes must match the torch path exactly.
         enable_fp_fusion=False,

@@ -6,7 +6,11 @@ C++ and the Triton kernels compute the same bits:
 
 - no fp32 ``a*b + c`` whose rounding decides a code (Triton would fuse it into an FMA;
   the kernels are launched with fusion off as well);
-- divisions are IEEE-rounded (``tl.math.div_rn`` on the Triton side);
+- divisions are IEEE-rounded (``tl.math.div_rn`` on the Triton side), and there is
+  one per bucket, not per element: values are scaled by the bucket's reciprocal step
+  (a division costs the GPU kernel ~10 instructions an element, a third of its work);
+  steps under 2^-100, whose reciprocal would overflow, are first scaled up by 2^64
+  (exact: a power of two), so no bucket meets an infinite reciprocal;
 - the bucket statistics that decide codes are exact (min, max, max |x|) or summed in
   fp64 before one rounding to fp32 (the L2 norm), so reduction order does not matter
   (an fp64 sum of <= 2^15 squares of fp32 values rounds to the same fp32 except with
@@ -195,7 +199,7 @@ def _quantize_buckets(xp, start, valid, *, bits, sid, l2, stochastic, key, divis
         mn = _bucket_reduce(lo_in, torch.amin)
         mx = _bucket_reduce(hi_in, torch.amax)
         step = (mx - mn) / divisor
-        t = torch.where(step > 0, (xp - mn) / step, 0.0)
+        t = _scaled(xp - mn, step)
         t = torch.where(bad, 0.0, t)
         codes = _round_codes(t, thr, L - 1)
         meta = torch.cat([torch.where(bad, nan, mn), torch.where(bad, nan, step)], dim=1)
@@ -207,13 +211,13 @@ def _quantize_buckets(xp, start, valid, *, bits, sid, l2, stochastic, key, divis
             scale = _bucket_reduce(xp.abs(), torch.amax)
         if sid == 1:  # maxnorm: x = (k - c) * step, c = (L - 1) / 2
             step = scale / divisor
-            t = torch.where(step > 0, xp / step, 0.0) + divisor
+            t = _scaled(xp, step) + divisor
             t = torch.where(bad, 0.0, t)
             codes = _round_codes(t, thr, L - 1)
             meta = torch.where(bad, nan, step)
         else:  # nuq: sign bit, level j in 0..M: 0 or 2^-(M - j)
             M = L - 1
-            r = torch.where(scale > 0, xp.abs() / scale, 0.0)
+            r = _scaled(xp.abs(), scale)
             r = torch.clamp(torch.where(bad, 0.0, r), max=1.0)
             ebits = (r.view(torch.int32) >> 23) & 0xFF  # r >= 0: the sign bit is 0
             mant = (r.view(torch.int32) & 0x7FFFFF).to(torch.float32)
@@ -228,6 +232,20 @@ def _quantize_buckets(xp, start, valid, *, bits, sid, l2, stochastic, key, divis
     if valid is not None:
         codes = torch.where(valid, codes, 0)
     return meta, codes
+
+
+# Steps below TINY are scaled by BOOST before their reciprocal is taken: 1 / 2^-100 is
+# 2^100, far from fp32's overflow at 2^128, and both factors are exact powers of two.
+TINY = 2.0**-100
+BOOST = 2.0**64
+
+
+def _scaled(v: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """``v / step`` per bucket as ``(v * s) * (1 / (step * s))``; 0 where ``step`` is not
+    > 0 (constant or non-finite buckets). ``s`` is BOOST for steps under TINY, else 1."""
+    s = torch.where(step < TINY, BOOST, 1.0)
+    inv = torch.where(step > 0, 1.0 / (step * s), 0.0)
+    return (v * s) * inv
 
 
 def _byte_pieces(bits: int, m: int):

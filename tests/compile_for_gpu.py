@@ -38,16 +38,16 @@ CASES = [
 def compile_case(scheme, bits, dtype, bucket, l2, stochastic, accumulate, arch):
     target = GPUTarget("cuda", arch, 32)
     sid = effective_scheme_id(scheme, bits)
-    common = dict(BITS=bits, B=bucket, BLOCK=triton.next_power_of_2(bucket), SCHEME=sid,
+    common = dict(BITS=bits, B=bucket, GBLOCK=triton.next_power_of_2(bucket // 8), SCHEME=sid,
                   LEVELS=levels(sid, bits))
     warps = 4 if bucket <= 1024 else 8
-    q = dict(common, L2=l2, STOCHASTIC=stochastic)
+    q = dict(common, L2=l2, STOCHASTIC=stochastic, ALIGNED=True, WIDE=False)
     sig = dict(x_ptr="*" + DTYPES[dtype], meta_ptr="*fp32", codes_ptr="*u8", n="i64",
                n_groups="i64", key="i32", **{k: "constexpr" for k in q})
     options = dict(num_warps=warps, enable_fp_fusion=False)
     kq = triton.compile(ASTSource(_quantize_kernel, sig, constexprs=q), target=target,
                         options=options)
-    d = dict(common, ACCUMULATE=accumulate)
+    d = dict(common, ACCUMULATE=accumulate, ALIGNED=True, WIDE=False)
     out = "*fp32" if accumulate else "*" + DTYPES[dtype]
     sig = dict(meta_ptr="*fp32", codes_ptr="*u8", out_ptr=out, n="i64", n_groups="i64",
                **{k: "constexpr" for k in d})

@@ -238,6 +238,24 @@ def test_constant_bucket_exact(scheme, bits, value):
     assert torch.equal(y, x), (y - x).abs().max()
 
 
+@pytest.mark.parametrize("scheme", ["minmax", "maxnorm", "nuq"])
+@pytest.mark.parametrize("magnitude", [1e-30, 1e-39, 1e-43])
+def test_tiny_buckets_keep_relative_precision(scheme, magnitude):
+    """Buckets whose step is far below 2^-100 (down to denormals): the reciprocal of the
+    step would overflow to inf and turn codes into NaN garbage without the 2^64 boost."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.rand(256, generator=g) * 2 - 1
+    x = (x * magnitude).float()  # denormal for the smaller magnitudes (fp32 min normal 1e-38)
+    cfg = QuantConfig(bits=8, bucket_size=64, scheme=scheme, rounding="nearest")
+    y = roundtrip(x, cfg, seed=2)
+    assert torch.isfinite(y).all()
+    scale = x.view(4, 64).abs().amax(1).repeat_interleave(64)
+    # 8 bits: a nearest code is within half a step of the bucket's range; nuq's coarsest
+    # gap (1/2 to 1) is half the scale. Denormal inputs are themselves quantized to 1.4e-45.
+    bound = (0.5 if scheme == "nuq" else 2 / 255) * scale + 2e-45
+    assert ((y - x).abs() <= bound).all(), ((y - x).abs() / scale).max()
+
+
 # -------------------------------------------------------------------------- bad input
 
 

@@ -93,6 +93,16 @@ def test_triton_accumulate_and_cast(scheme):
         assert torch.equal(out.cpu(), dequantize(p, impl="eager").to(dtype))
 
 
+@pytest.mark.parametrize("scheme", ["minmax", "maxnorm", "nuq"])
+def test_triton_tiny_and_huge_buckets(scheme):
+    """Steps below 2^-100 (denormal buckets) take the 2^64 boost; huge ones do not."""
+    x = gradient_like(4 * B, torch.float32, seed=11).cpu()
+    x[:B] *= 1e-39
+    x[B:2 * B] *= 1e-43
+    x[2 * B:3 * B] *= 1e30
+    assert_same_bytes(x.to(DEVICE), QuantConfig(bits=4, bucket_size=B, scheme=scheme))
+
+
 def test_triton_input_untouched():
     x = gradient_like(300, torch.bfloat16)
     before = x.clone()
