@@ -131,32 +131,63 @@ def run_side(device_type: str, env: dict, timeout_s: float = 300) -> list[dict]:
     return [got[r] for r in range(WORLD)]
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of ``t``, as an integer tensor of the same element size."""
+    return t.reshape(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 def compare(cpu: list[dict], cuda: list[dict]) -> list[str]:
-    """Names of the outputs that differ (by bits, NaN-aware) between the two sides."""
+    """One line per output whose bits differ between the two sides (NaN payloads and
+    signed zeros included: a value comparison would hide them), with examples."""
     bad = []
     for rank in range(WORLD):
         for name, a in cpu[rank]["outs"].items():
             b = cuda[rank]["outs"][name]
-            if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(
-                    a.view(-1).view(torch.uint8) if a.numel() else a,
-                    b.view(-1).view(torch.uint8) if b.numel() else b):
-                diff = (a.float() - b.float()).abs()
-                bad.append(f"rank {rank} {name}: {int((diff > 0).sum())} of {a.numel()} "
-                           f"differ (max |diff| {float(diff.nan_to_num(0).max()):.3g})")
+            if a.dtype != b.dtype or a.shape != b.shape:
+                bad.append(f"rank {rank} {name}: {a.dtype}{tuple(a.shape)} on cpu, "
+                           f"{b.dtype}{tuple(b.shape)} on cuda")
+                continue
+            differ = (_bits(a) != _bits(b)).nonzero().flatten()
+            if differ.numel():
+                i = differ[:3]
+                m = (1 << 8 * a.element_size()) - 1
+                pairs = ", ".join(
+                    f"[{j}] cpu {x:.6g} (0x{xb & m:x}) cuda {y:.6g} (0x{yb & m:x})"
+                    for j, x, y, xb, yb in zip(i.tolist(), a.reshape(-1)[i].tolist(),
+                                               b.reshape(-1)[i].tolist(), _bits(a)[i].tolist(),
+                                               _bits(b)[i].tolist()))
+                bad.append(f"rank {rank} {name}: {differ.numel()} of {a.numel()} differ: {pairs}")
     return bad
+
+
+# What both sides must count alike. control_bytes differ by design: CPU groups check a
+# 48-byte descriptor per call, CUDA groups check headers after the fact (no host sync).
+COUNTED = ("calls_compressed", "calls_exact", "logical_bytes", "wire_bytes")
+
+
+def same_counters(a: dict, b: dict) -> bool:
+    return all(a[k][c] == b[k][c] for k in a for c in COUNTED)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.crossdevice", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="write a JSON summary here")
+    p.add_argument("--configs", default=",".join(c for c, _ in CONFIGS),
+                   help="comma list of configs to run (default: all)")
     args = p.parse_args(argv)
+    wanted = [c for c in args.configs.split(",") if c]
+    unknown = sorted(set(wanted) - {c for c, _ in CONFIGS})
+    if unknown:
+        p.error(f"unknown --configs {unknown}; known: {[c for c, _ in CONFIGS]}")
     has_cuda = torch.cuda.is_available()
     report = {"torch": torch.__version__, "cuda": has_cuda,
               "device": torch.cuda.get_device_name(0) if has_cuda else "cpu only",
               "configs": {}}
     failed = False
     for label, env in CONFIGS:
+        if label not in wanted:
+            continue
         t0 = time.monotonic()
         cpu = run_side("cpu", env)
         entry = {"env": env, "outputs": len(cpu[0]["outs"]),
@@ -168,8 +199,9 @@ def main(argv=None) -> int:
         if has_cuda:
             cuda = run_side("cuda", env)
             mismatches = compare(cpu, cuda)
-            stats_equal = cpu[0]["stats"] == cuda[0]["stats"]
-            entry.update(mismatches=mismatches, stats_equal=stats_equal)
+            stats_equal = same_counters(cpu[0]["stats"], cuda[0]["stats"])
+            entry.update(mismatches=mismatches, stats_equal=stats_equal,
+                         stats_rank0_cuda=cuda[0]["stats"])
             failed |= bool(mismatches) or not stats_equal
         entry["seconds"] = round(time.monotonic() - t0, 1)
         report["configs"][label] = entry

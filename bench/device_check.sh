@@ -13,6 +13,9 @@
 #      (fp32, every scheme, 2/4/8 bits), then Triton alone for bf16/fp16;
 #   4. the same for 1, 2 and 4 warps per bucket program (the kernels' one tuning knob).
 # Results and logs go to $OUT/results.tgz (re-packed after every phase) and $OUT/log.txt.
+#
+# QUICK=1 runs a 3-minute subset (a second look within the same lease): the kernel tests,
+# the backend check for two configs, and Triton codec throughput for fp32 and bf16.
 set -u
 OUT=${OUT:-/tmp/qcomm-device-out}
 R=/tmp/qcomm-results
@@ -32,6 +35,23 @@ log install
 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . \
   || { echo "pip failed: linking kernels/ as qcomm/kernels instead"; ln -sfn ../kernels qcomm/kernels; }
 $PY -c "import qcomm, qcomm.kernels.quantize; print('qcomm', qcomm.__version__, 'from', qcomm.__file__)"
+
+if [ "${QUICK:-0}" = 1 ]; then
+  log "quick: kernels on CUDA vs reference"
+  timeout 70 $PY -m pytest -q --maxfail=10 -n 14 -p no:cacheprovider tests/test_kernels.py \
+    -k "not compiled_torch_path" > "$R/test_kernels_cuda.log" 2>&1
+  echo "exit $?" >> "$R/test_kernels_cuda.log"; tail -n 3 "$R/test_kernels_cuda.log"; pack
+  log "quick: qcomm backend, CUDA vs CPU tensors"
+  timeout 40 $PY -m bench.crossdevice --configs w8g8,w4g4-nuq --out "$R/crossdevice.json" \
+    > "$R/crossdevice.log" 2>&1
+  echo "exit $?" >> "$R/crossdevice.log"; tail -n 12 "$R/crossdevice.log"; pack
+  log "quick: codec, triton vs copy"
+  timeout -s INT 60 $PY -m bench codec --impls triton --dtypes float32,bfloat16 \
+    --schemes all --bits 2,4,8 --sizes 24..28:2 --out "$R/codec-quick" > "$R/codec-quick.log" 2>&1
+  echo "exit $?" >> "$R/codec-quick.log"; grep "^# triton\|exit" "$R/codec-quick.log"; pack
+  log done
+  exit 0
+fi
 
 log "phase 1: kernels on CUDA vs reference; CPU suite on this torch (parallel)"
 ( timeout 170 $PY -m pytest -q --maxfail=10 -n 8 -p no:cacheprovider tests/test_kernels.py \

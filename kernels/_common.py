@@ -83,55 +83,61 @@ def round_codes(t, thr, TOP: tl.constexpr):
     return tl.minimum(tl.maximum(lo.to(tl.int32) + up, 0), TOP)
 
 
-@triton.jit
-def pack_store(codes_ptr, codes, grp, gmask, BITS: tl.constexpr, ALIGNED: tl.constexpr):
-    """Store codes int32 [G, 8] (row = a group of 8 consecutive elements) at groups
-    ``grp`` [G] where ``gmask``: each group is one little-endian BITS-byte word.
+def row_length(bits: int, codes_ptr: int) -> int:
+    """Elements per tile row: 4 for 2 and 4 bits (a row packs into 1 or 2 whole bytes;
+    2-byte stores need an even codes address), else 8 (a row is one BITS-byte word)."""
+    return 4 if bits == 2 or (bits == 4 and codes_ptr % 2 == 0) else 8
 
-    8 bits need no packing (byte k = code k); 1, 2 and 4 bits store the group's word as
-    one uint8/uint16/uint32 when ``ALIGNED`` (the codes start 4-byte aligned: the
-    launcher checks); other widths, or unaligned codes, store BITS bytes. Packing is a
-    sum along the in-row axis, so no code crosses a thread boundary more than once.
+
+@triton.jit
+def pack_store(codes_ptr, codes, row, rmask, BITS: tl.constexpr, R: tl.constexpr):
+    """Store codes int32 [rows, R] (a row = R consecutive elements) at tile rows ``row``
+    where ``rmask``. The code stream's bytes: element i's code at bits [i*b, (i+1)*b).
+
+    8 bits need no packing (byte k = code k). With rows of 4 (:func:`row_length`), a
+    row of 4-bit codes is one uint16 and of 2-bit codes one byte; 1-bit rows of 8 are
+    one byte; other widths store their BITS-byte word byte by byte. Rows are as long as
+    the loads' vectors (4 fp32), so packing a row stays inside one thread.
     """
-    k = tl.arange(0, 8)
+    k = tl.arange(0, R)
     if BITS == 8:
-        tl.store(codes_ptr + grp[:, None] * 8 + k[None, :], codes.to(tl.uint8),
-                 mask=gmask[:, None])
-    elif ALIGNED and BITS == 4:
-        word = tl.sum(codes.to(tl.uint32) << (k * 4).to(tl.uint32)[None, :], axis=1)
-        tl.store(codes_ptr.to(tl.pointer_type(tl.uint32)) + grp, word, mask=gmask)
-    elif ALIGNED and BITS == 2:
-        word = tl.sum(codes.to(tl.uint32) << (k * 2).to(tl.uint32)[None, :], axis=1)
-        tl.store(codes_ptr.to(tl.pointer_type(tl.uint16)) + grp, word.to(tl.uint16),
-                 mask=gmask)
+        tl.store(codes_ptr + row[:, None] * R + k[None, :], codes.to(tl.uint8),
+                 mask=rmask[:, None])
+    elif R == 4:
+        word = tl.sum(codes.to(tl.uint32) << (k * BITS).to(tl.uint32)[None, :], axis=1)
+        if BITS == 4:
+            tl.store(codes_ptr.to(tl.pointer_type(tl.uint16)) + row, word.to(tl.uint16),
+                     mask=rmask)
+        else:
+            tl.store(codes_ptr + row, word.to(tl.uint8), mask=rmask)
     elif BITS == 1:
         word = tl.sum(codes.to(tl.uint32) << k.to(tl.uint32)[None, :], axis=1)
-        tl.store(codes_ptr + grp, word.to(tl.uint8), mask=gmask)
+        tl.store(codes_ptr + row, word.to(tl.uint8), mask=rmask)
     else:
         word = tl.sum(codes.to(tl.uint64) << (k * BITS).to(tl.uint64)[None, :], axis=1)
         bytes_ = (word[:, None] >> (k * 8).to(tl.uint64)[None, :]) & 0xFF
-        tl.store(codes_ptr + grp[:, None] * BITS + k[None, :], bytes_.to(tl.uint8),
-                 mask=gmask[:, None] & (k[None, :] < BITS))
+        tl.store(codes_ptr + row[:, None] * BITS + k[None, :], bytes_.to(tl.uint8),
+                 mask=rmask[:, None] & (k[None, :] < BITS))
 
 
 @triton.jit
-def load_unpack(codes_ptr, grp, gmask, BITS: tl.constexpr, ALIGNED: tl.constexpr):
-    """Inverse of :func:`pack_store`: int32 codes [G, 8] of groups ``grp`` (0 where not
-    ``gmask``)."""
-    k = tl.arange(0, 8)
+def load_unpack(codes_ptr, row, rmask, BITS: tl.constexpr, R: tl.constexpr):
+    """Inverse of :func:`pack_store`: int32 codes [rows, R] (0 where not ``rmask``)."""
+    k = tl.arange(0, R)
     if BITS == 8:
-        return tl.load(codes_ptr + grp[:, None] * 8 + k[None, :], mask=gmask[:, None],
+        return tl.load(codes_ptr + row[:, None] * R + k[None, :], mask=rmask[:, None],
                        other=0).to(tl.int32)
-    if ALIGNED and BITS == 4:
-        word = tl.load(codes_ptr.to(tl.pointer_type(tl.uint32)) + grp, mask=gmask, other=0)
-    elif ALIGNED and BITS == 2:
-        word = tl.load(codes_ptr.to(tl.pointer_type(tl.uint16)) + grp, mask=gmask,
-                       other=0).to(tl.uint32)
+    if R == 4:
+        if BITS == 4:
+            word = tl.load(codes_ptr.to(tl.pointer_type(tl.uint16)) + row, mask=rmask,
+                           other=0).to(tl.uint32)
+        else:
+            word = tl.load(codes_ptr + row, mask=rmask, other=0).to(tl.uint32)
     elif BITS == 1:
-        word = tl.load(codes_ptr + grp, mask=gmask, other=0).to(tl.uint32)
+        word = tl.load(codes_ptr + row, mask=rmask, other=0).to(tl.uint32)
     else:
-        bytes_ = tl.load(codes_ptr + grp[:, None] * BITS + k[None, :],
-                         mask=gmask[:, None] & (k[None, :] < BITS), other=0)
+        bytes_ = tl.load(codes_ptr + row[:, None] * BITS + k[None, :],
+                         mask=rmask[:, None] & (k[None, :] < BITS), other=0)
         word = tl.sum(bytes_.to(tl.uint64) << (k * 8).to(tl.uint64)[None, :], axis=1)
         codes = (word[:, None] >> (k * BITS).to(tl.uint64)[None, :]) & ((1 << BITS) - 1)
         return codes.to(tl.int32)

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from qcomm.layout import effective_scheme_id, levels
 
-from ._common import load_unpack, num_warps
+from ._common import load_unpack, num_warps, row_length
 
 
 @triton.jit
@@ -33,25 +33,25 @@ def _dequantize_kernel(
     codes_ptr,  # *uint8 [ceil(n/8) * BITS]
     out_ptr,  # *fp32|bf16|fp16 [n]: written, or (ACCUMULATE, fp32) added into
     n,
-    n_groups,
+    n_rows,
     BITS: tl.constexpr,
     B: tl.constexpr,
-    GBLOCK: tl.constexpr,
+    R: tl.constexpr,
+    RBLOCK: tl.constexpr,
     SCHEME: tl.constexpr,
     LEVELS: tl.constexpr,
     ACCUMULATE: tl.constexpr,
-    ALIGNED: tl.constexpr,
     WIDE: tl.constexpr,  # n >= 2^31: int64 element indices
 ):
     bucket = tl.program_id(0)
     if WIDE:
         bucket = bucket.to(tl.int64)
-    g = tl.arange(0, GBLOCK)  # the bucket as [groups, 8]: see quantize
-    grp = bucket * (B // 8) + g
-    gmask = (g < B // 8) & (grp < n_groups)
-    index = grp[:, None] * 8 + tl.arange(0, 8)[None, :]
-    valid = gmask[:, None] & (index < n)
-    k = load_unpack(codes_ptr, grp, gmask, BITS, ALIGNED)
+    r = tl.arange(0, RBLOCK)  # the bucket as [rows, R]: see quantize
+    row = bucket * (B // R) + r
+    rmask = (r < B // R) & (row < n_rows)
+    index = row[:, None] * R + tl.arange(0, R)[None, :]
+    valid = rmask[:, None] & (index < n)
+    k = load_unpack(codes_ptr, row, rmask, BITS, R)
     if SCHEME == 0:
         mn = tl.load(meta_ptr + bucket * 2)
         step = tl.load(meta_ptr + bucket * 2 + 1)
@@ -82,11 +82,11 @@ def dequantize(meta: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, confi
         return
     B = config.bucket_size
     sid = effective_scheme_id(config.scheme, config.bits)
+    R = row_length(config.bits, codes.data_ptr())
     _dequantize_kernel[(-(-n // B),)](
-        meta, codes, out, n, -(-n // 8),
-        BITS=config.bits, B=B, GBLOCK=triton.next_power_of_2(B // 8), SCHEME=sid,
-        LEVELS=levels(sid, config.bits), ACCUMULATE=accumulate,
-        ALIGNED=codes.data_ptr() % 4 == 0, WIDE=n + config.bucket_size >= 2**31,
+        meta, codes, out, n, -(-n // 8) * (8 // R),
+        BITS=config.bits, B=B, R=R, RBLOCK=triton.next_power_of_2(B // R), SCHEME=sid,
+        LEVELS=levels(sid, config.bits), ACCUMULATE=accumulate, WIDE=n + B >= 2**31,
         num_warps=num_warps(B),
         enable_fp_fusion=False,  # mn + k * step must round as torch does (no FMA)
     )

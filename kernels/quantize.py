@@ -12,7 +12,7 @@ import triton.language as tl
 
 from qcomm.layout import effective_scheme_id, levels
 
-from ._common import num_warps, pack_store, round_codes, scaled, uniform
+from ._common import num_warps, pack_store, round_codes, row_length, scaled, uniform
 
 
 @triton.jit
@@ -21,28 +21,28 @@ def _quantize_kernel(
     meta_ptr,  # *fp32 [nb * W]: per-bucket metadata (layout.py)
     codes_ptr,  # *uint8 [ceil(n/8) * BITS]: packed codes
     n,  # number of elements
-    n_groups,  # ceil(n / 8)
+    n_rows,  # ceil(n / 8) * (8 // R): rows up to the end of the last group of 8
     key,  # 32-bit RNG key of this call (reference.seed_key)
     BITS: tl.constexpr,  # 1..8
     B: tl.constexpr,  # bucket size, a multiple of 8
-    GBLOCK: tl.constexpr,  # next power of 2 >= B // 8 (groups of 8 per bucket)
+    R: tl.constexpr,  # elements per tile row (_common.row_length)
+    RBLOCK: tl.constexpr,  # next power of 2 >= B // R (rows per bucket)
     SCHEME: tl.constexpr,  # 0 minmax, 1 maxnorm, 2 nuq (effective id)
     LEVELS: tl.constexpr,  # layout.levels(SCHEME, BITS)
     L2: tl.constexpr,  # scale = L2 norm instead of max |x| (maxnorm, nuq)
     STOCHASTIC: tl.constexpr,  # stochastic rounding, else nearest
-    ALIGNED: tl.constexpr,  # codes_ptr is 4-byte aligned: whole-word stores
     WIDE: tl.constexpr,  # n >= 2^31: int64 element indices
 ):
     bucket = tl.program_id(0)
     if WIDE:  # 64-bit indices only where needed: FSDP flat buffers can pass 2^31 elements
         bucket = bucket.to(tl.int64)
-    # The bucket as a [groups, 8] tile: a row is one packed word's 8 codes, so packing
-    # reduces along rows (in-thread or one shuffle) instead of across the block.
-    g = tl.arange(0, GBLOCK)
-    grp = bucket * (B // 8) + g  # global group index
-    gmask = (g < B // 8) & (grp < n_groups)
-    index = grp[:, None] * 8 + tl.arange(0, 8)[None, :]
-    valid = gmask[:, None] & (index < n)
+    # The bucket as a [rows, R] tile: a row packs into whole bytes (row_length), so
+    # packing reduces along rows, inside a thread, instead of across the block.
+    r = tl.arange(0, RBLOCK)
+    row = bucket * (B // R) + r  # global row index
+    rmask = (r < B // R) & (row < n_rows)
+    index = row[:, None] * R + tl.arange(0, R)[None, :]
+    valid = rmask[:, None] & (index < n)
     x = tl.load(x_ptr + index, mask=valid, other=0.0).to(tl.float32)
     # NaN iff the bucket holds inf or NaN, whatever the summation order.
     z = tl.sum(tl.sum(x * 0.0, axis=1), axis=0)
@@ -50,7 +50,7 @@ def _quantize_kernel(
     if STOCHASTIC:
         thr = 1.0 - uniform(index, key, WIDE)
     else:
-        thr = tl.full([GBLOCK, 8], 0.5, tl.float32)
+        thr = tl.full([RBLOCK, R], 0.5, tl.float32)
     if SCHEME == 0:
         mn = tl.min(tl.min(tl.where(valid, x, float("inf")), axis=1), axis=0)
         mx = tl.max(tl.max(tl.where(valid, x, float("-inf")), axis=1), axis=0)
@@ -89,7 +89,7 @@ def _quantize_kernel(
             codes = (sign << (BITS - 1)) | j
             tl.store(meta_ptr + bucket, tl.where(bad, float("nan"), scale))
     codes = tl.where(valid, codes, 0)
-    pack_store(codes_ptr, codes, grp, gmask, BITS, ALIGNED)
+    pack_store(codes_ptr, codes, row, rmask, BITS, R)
 
 
 def quantize(x: torch.Tensor, meta: torch.Tensor, codes: torch.Tensor, config, key: int) -> None:
@@ -104,12 +104,12 @@ def quantize(x: torch.Tensor, meta: torch.Tensor, codes: torch.Tensor, config, k
     B = config.bucket_size
     sid = effective_scheme_id(config.scheme, config.bits)
     nb = -(-n // B)
+    R = row_length(config.bits, codes.data_ptr())
     _quantize_kernel[(nb,)](
-        x, meta, codes, n, -(-n // 8), key,
-        BITS=config.bits, B=B, GBLOCK=triton.next_power_of_2(B // 8), SCHEME=sid,
+        x, meta, codes, n, -(-n // 8) * (8 // R), key,
+        BITS=config.bits, B=B, R=R, RBLOCK=triton.next_power_of_2(B // R), SCHEME=sid,
         LEVELS=levels(sid, config.bits), L2=config.norm == "l2",
-        STOCHASTIC=config.rounding == "stochastic", ALIGNED=codes.data_ptr() % 4 == 0,
-        WIDE=n + config.bucket_size >= 2**31,
+        STOCHASTIC=config.rounding == "stochastic", WIDE=n + B >= 2**31,
         num_warps=num_warps(B),
         # A fused multiply-add rounds once where torch rounds twice and would flip a
         # code now and then: the wire bytes must match the torch path exactly.

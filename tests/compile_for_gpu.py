@@ -16,11 +16,12 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     sys.exit("compile_for_gpu.py: unset TRITON_INTERPRET (the interpreter compiles nothing)")
 
 import triton  # noqa: E402
+from qcomm.kernels._common import row_length  # noqa: E402
+from qcomm.kernels.dequantize import _dequantize_kernel  # noqa: E402
+from qcomm.kernels.quantize import _quantize_kernel  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from qcomm.kernels.dequantize import _dequantize_kernel  # noqa: E402
-from qcomm.kernels.quantize import _quantize_kernel  # noqa: E402
 from qcomm.layout import effective_scheme_id, levels  # noqa: E402
 
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -38,18 +39,19 @@ CASES = [
 def compile_case(scheme, bits, dtype, bucket, l2, stochastic, accumulate, arch):
     target = GPUTarget("cuda", arch, 32)
     sid = effective_scheme_id(scheme, bits)
-    common = dict(BITS=bits, B=bucket, GBLOCK=triton.next_power_of_2(bucket // 8), SCHEME=sid,
-                  LEVELS=levels(sid, bits))
+    R = row_length(bits, 0)  # an aligned codes address
+    common = dict(BITS=bits, B=bucket, R=R, RBLOCK=triton.next_power_of_2(bucket // R),
+                  SCHEME=sid, LEVELS=levels(sid, bits))
     warps = 4 if bucket <= 1024 else 8
-    q = dict(common, L2=l2, STOCHASTIC=stochastic, ALIGNED=True, WIDE=False)
+    q = dict(common, L2=l2, STOCHASTIC=stochastic, WIDE=False)
     sig = dict(x_ptr="*" + DTYPES[dtype], meta_ptr="*fp32", codes_ptr="*u8", n="i64",
-               n_groups="i64", key="i32", **{k: "constexpr" for k in q})
+               n_rows="i64", key="i32", **{k: "constexpr" for k in q})
     options = dict(num_warps=warps, enable_fp_fusion=False)
     kq = triton.compile(ASTSource(_quantize_kernel, sig, constexprs=q), target=target,
                         options=options)
-    d = dict(common, ACCUMULATE=accumulate, ALIGNED=True, WIDE=False)
+    d = dict(common, ACCUMULATE=accumulate, WIDE=False)
     out = "*fp32" if accumulate else "*" + DTYPES[dtype]
-    sig = dict(meta_ptr="*fp32", codes_ptr="*u8", out_ptr=out, n="i64", n_groups="i64",
+    sig = dict(meta_ptr="*fp32", codes_ptr="*u8", out_ptr=out, n="i64", n_rows="i64",
                **{k: "constexpr" for k in d})
     kd = triton.compile(ASTSource(_dequantize_kernel, sig, constexprs=d), target=target,
                         options=options)

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 
 import qcomm
 from bench import collectives, common, link
@@ -170,3 +171,24 @@ def test_link_torn_down_on_failure():
             assert _netns() - before == {h.netns for h in shaped.hosts}
             link.run_ranks(["-c", "import time; time.sleep(60)"], 2, link=shaped, timeout_s=1)
     assert _netns() == before
+
+
+def test_crossdevice_compare_sees_bits_values_hide():
+    """bench.crossdevice judges by bits: a signed zero or a NaN payload counts."""
+    from bench.crossdevice import compare, same_counters
+
+    a = torch.tensor([0.0, 1.0, float("nan"), 2.0], dtype=torch.float16)
+    side = lambda t: [{"outs": {"x": t}}, {"outs": {"x": t}}]  # noqa: E731
+    assert compare(side(a), side(a.clone())) == []
+    flipped = a.clone()
+    flipped[0] = -0.0
+    lines = compare(side(a), side(flipped))
+    assert len(lines) == 2 and "1 of 4 differ" in lines[0] and "0x8000" in lines[0]
+    nan2 = a.clone()
+    nan2.view(torch.int16)[2] = 0x7E01  # another NaN
+    assert "1 of 4 differ" in compare(side(a), side(nan2))[0]
+    s = {"all_gather": {"calls_compressed": 1, "calls_exact": 0, "logical_bytes": 8,
+                        "wire_bytes": 2, "control_bytes": 48}}
+    other = {"all_gather": dict(s["all_gather"], control_bytes=0)}
+    assert same_counters(s, other)
+    assert not same_counters(s, {"all_gather": dict(s["all_gather"], wire_bytes=3)})
