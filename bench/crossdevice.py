@@ -155,7 +155,7 @@ def compare(cpu: list[dict], cuda: list[dict]) -> list[str]:
                     f"[{j}] cpu {x:.6g} (0x{xb & m:x}) cuda {y:.6g} (0x{yb & m:x})"
                     for j, x, y, xb, yb in zip(i.tolist(), a.reshape(-1)[i].tolist(),
                                                b.reshape(-1)[i].tolist(), _bits(a)[i].tolist(),
-                                               _bits(b)[i].tolist()))
+                                               _bits(b)[i].tolist(), strict=True))
                 bad.append(f"rank {rank} {name}: {differ.numel()} of {a.numel()} differ: {pairs}")
     return bad
 

@@ -83,63 +83,76 @@ def round_codes(t, thr, TOP: tl.constexpr):
     return tl.minimum(tl.maximum(lo.to(tl.int32) + up, 0), TOP)
 
 
-def row_length(bits: int, codes_ptr: int) -> int:
-    """Elements per tile row: 4 for 2 and 4 bits (a row packs into 1 or 2 whole bytes;
-    2-byte stores need an even codes address), else 8 (a row is one BITS-byte word)."""
-    return 4 if bits == 2 or (bits == 4 and codes_ptr % 2 == 0) else 8
+def row_layout(bits: int, elem_size: int) -> tuple[int, int]:
+    """(R, WORD): elements per tile row and how a row's codes are stored.
+
+    Rows span one 16-byte vector of the float side where that packs into whole bytes
+    (4 fp32 elements for 2- and 4-bit codes), else 8 elements (one group: 8 fp16/bf16
+    elements are 16 bytes). WORD = 8: 8-bit codes, one byte each; 1, 2 or 4: the row is
+    one uint8/uint16/uint32 (the codes start 4-byte aligned: qcomm.codec refuses
+    payloads that are not, and the header and fp32 metadata before them are whole
+    words); 0: byte by byte (3, 5, 6 and 7 bits).
+
+    Measured on an H200 (bench/results/nvidia-h200): rows of 4 made fp32 2/4-bit
+    quantize 5-9 points of copy bandwidth faster and bf16 4-11 points slower than rows
+    of 8, hence the choice by element size.
+    """
+    R = 4 if elem_size == 4 and bits in (2, 4) else 8
+    if bits == 8:
+        return R, 8
+    nbytes = R * bits // 8
+    if R * bits % 8 == 0 and nbytes in (1, 2, 4):
+        return R, nbytes
+    return 8, 0
 
 
 @triton.jit
-def pack_store(codes_ptr, codes, row, rmask, BITS: tl.constexpr, R: tl.constexpr):
+def pack_store(codes_ptr, codes, row, rmask, BITS: tl.constexpr, R: tl.constexpr,
+               WORD: tl.constexpr):
     """Store codes int32 [rows, R] (a row = R consecutive elements) at tile rows ``row``
     where ``rmask``. The code stream's bytes: element i's code at bits [i*b, (i+1)*b).
-
-    8 bits need no packing (byte k = code k). With rows of 4 (:func:`row_length`), a
-    row of 4-bit codes is one uint16 and of 2-bit codes one byte; 1-bit rows of 8 are
-    one byte; other widths store their BITS-byte word byte by byte. Rows are as long as
-    the loads' vectors (4 fp32), so packing a row stays inside one thread.
-    """
+    ``R`` and ``WORD`` as :func:`row_layout` chose them; packing a row is a sum along
+    it, inside one thread when the row is one load vector."""
     k = tl.arange(0, R)
-    if BITS == 8:
+    if WORD == 8:
         tl.store(codes_ptr + row[:, None] * R + k[None, :], codes.to(tl.uint8),
                  mask=rmask[:, None])
-    elif R == 4:
-        word = tl.sum(codes.to(tl.uint32) << (k * BITS).to(tl.uint32)[None, :], axis=1)
-        if BITS == 4:
-            tl.store(codes_ptr.to(tl.pointer_type(tl.uint16)) + row, word.to(tl.uint16),
-                     mask=rmask)
-        else:
-            tl.store(codes_ptr + row, word.to(tl.uint8), mask=rmask)
-    elif BITS == 1:
-        word = tl.sum(codes.to(tl.uint32) << k.to(tl.uint32)[None, :], axis=1)
-        tl.store(codes_ptr + row, word.to(tl.uint8), mask=rmask)
-    else:
+    elif WORD == 0:  # R == 8: a BITS-byte word, byte by byte
         word = tl.sum(codes.to(tl.uint64) << (k * BITS).to(tl.uint64)[None, :], axis=1)
         bytes_ = (word[:, None] >> (k * 8).to(tl.uint64)[None, :]) & 0xFF
         tl.store(codes_ptr + row[:, None] * BITS + k[None, :], bytes_.to(tl.uint8),
                  mask=rmask[:, None] & (k[None, :] < BITS))
+    else:
+        word = tl.sum(codes.to(tl.uint32) << (k * BITS).to(tl.uint32)[None, :], axis=1)
+        if WORD == 4:
+            tl.store(codes_ptr.to(tl.pointer_type(tl.uint32)) + row, word, mask=rmask)
+        elif WORD == 2:
+            tl.store(codes_ptr.to(tl.pointer_type(tl.uint16)) + row, word.to(tl.uint16),
+                     mask=rmask)
+        else:
+            tl.store(codes_ptr + row, word.to(tl.uint8), mask=rmask)
 
 
 @triton.jit
-def load_unpack(codes_ptr, row, rmask, BITS: tl.constexpr, R: tl.constexpr):
+def load_unpack(codes_ptr, row, rmask, BITS: tl.constexpr, R: tl.constexpr,
+                WORD: tl.constexpr):
     """Inverse of :func:`pack_store`: int32 codes [rows, R] (0 where not ``rmask``)."""
     k = tl.arange(0, R)
-    if BITS == 8:
+    if WORD == 8:
         return tl.load(codes_ptr + row[:, None] * R + k[None, :], mask=rmask[:, None],
                        other=0).to(tl.int32)
-    if R == 4:
-        if BITS == 4:
-            word = tl.load(codes_ptr.to(tl.pointer_type(tl.uint16)) + row, mask=rmask,
-                           other=0).to(tl.uint32)
-        else:
-            word = tl.load(codes_ptr + row, mask=rmask, other=0).to(tl.uint32)
-    elif BITS == 1:
-        word = tl.load(codes_ptr + row, mask=rmask, other=0).to(tl.uint32)
-    else:
+    if WORD == 0:
         bytes_ = tl.load(codes_ptr + row[:, None] * BITS + k[None, :],
                          mask=rmask[:, None] & (k[None, :] < BITS), other=0)
         word = tl.sum(bytes_.to(tl.uint64) << (k * 8).to(tl.uint64)[None, :], axis=1)
         codes = (word[:, None] >> (k * BITS).to(tl.uint64)[None, :]) & ((1 << BITS) - 1)
         return codes.to(tl.int32)
+    if WORD == 4:
+        word = tl.load(codes_ptr.to(tl.pointer_type(tl.uint32)) + row, mask=rmask, other=0)
+    elif WORD == 2:
+        word = tl.load(codes_ptr.to(tl.pointer_type(tl.uint16)) + row, mask=rmask,
+                       other=0).to(tl.uint32)
+    else:
+        word = tl.load(codes_ptr + row, mask=rmask, other=0).to(tl.uint32)
     codes = (word[:, None] >> (k * BITS).to(tl.uint32)[None, :]) & ((1 << BITS) - 1)
     return codes.to(tl.int32)

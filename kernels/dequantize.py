@@ -11,7 +11,7 @@ import triton.language as tl
 
 from qcomm.layout import effective_scheme_id, levels
 
-from ._common import load_unpack, num_warps, row_length
+from ._common import load_unpack, num_warps, row_layout
 
 
 @triton.jit
@@ -37,6 +37,7 @@ def _dequantize_kernel(
     BITS: tl.constexpr,
     B: tl.constexpr,
     R: tl.constexpr,
+    WORD: tl.constexpr,
     RBLOCK: tl.constexpr,
     SCHEME: tl.constexpr,
     LEVELS: tl.constexpr,
@@ -51,7 +52,7 @@ def _dequantize_kernel(
     rmask = (r < B // R) & (row < n_rows)
     index = row[:, None] * R + tl.arange(0, R)[None, :]
     valid = rmask[:, None] & (index < n)
-    k = load_unpack(codes_ptr, row, rmask, BITS, R)
+    k = load_unpack(codes_ptr, row, rmask, BITS, R, WORD)
     if SCHEME == 0:
         mn = tl.load(meta_ptr + bucket * 2)
         step = tl.load(meta_ptr + bucket * 2 + 1)
@@ -66,7 +67,10 @@ def _dequantize_kernel(
         level = ((127 - M + j) << 23).to(tl.float32, bitcast=True)
         level = tl.where(j == 0, 0.0, level)
         mag = scale * level
-        y = tl.where((k >> (BITS - 1)) == 1, -mag, mag)
+        # The sign as a bit, not ``-mag``: triton 3.6 lowers ``-x`` to ``0 - x``, which
+        # makes a negative zero level +0.0 where torch gives -0.0 (seen on an H200).
+        sign = (k >> (BITS - 1)).to(tl.uint32) << 31
+        y = (mag.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     if ACCUMULATE:
         y = y + tl.load(out_ptr + index, mask=valid, other=0.0)
     if out_ptr.dtype.element_ty == tl.bfloat16:
@@ -82,10 +86,11 @@ def dequantize(meta: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, confi
         return
     B = config.bucket_size
     sid = effective_scheme_id(config.scheme, config.bits)
-    R = row_length(config.bits, codes.data_ptr())
+    R, WORD = row_layout(config.bits, out.element_size())
     _dequantize_kernel[(-(-n // B),)](
         meta, codes, out, n, -(-n // 8) * (8 // R),
-        BITS=config.bits, B=B, R=R, RBLOCK=triton.next_power_of_2(B // R), SCHEME=sid,
+        BITS=config.bits, B=B, R=R, WORD=WORD, RBLOCK=triton.next_power_of_2(B // R),
+        SCHEME=sid,
         LEVELS=levels(sid, config.bits), ACCUMULATE=accumulate, WIDE=n + B >= 2**31,
         num_warps=num_warps(B),
         enable_fp_fusion=False,  # mn + k * step must round as torch does (no FMA)

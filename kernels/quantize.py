@@ -12,7 +12,7 @@ import triton.language as tl
 
 from qcomm.layout import effective_scheme_id, levels
 
-from ._common import num_warps, pack_store, round_codes, row_length, scaled, uniform
+from ._common import num_warps, pack_store, round_codes, row_layout, scaled, uniform
 
 
 @triton.jit
@@ -25,7 +25,8 @@ def _quantize_kernel(
     key,  # 32-bit RNG key of this call (reference.seed_key)
     BITS: tl.constexpr,  # 1..8
     B: tl.constexpr,  # bucket size, a multiple of 8
-    R: tl.constexpr,  # elements per tile row (_common.row_length)
+    R: tl.constexpr,  # elements per tile row (_common.row_layout)
+    WORD: tl.constexpr,  # how a row's codes are stored (_common.row_layout)
     RBLOCK: tl.constexpr,  # next power of 2 >= B // R (rows per bucket)
     SCHEME: tl.constexpr,  # 0 minmax, 1 maxnorm, 2 nuq (effective id)
     LEVELS: tl.constexpr,  # layout.levels(SCHEME, BITS)
@@ -36,7 +37,7 @@ def _quantize_kernel(
     bucket = tl.program_id(0)
     if WIDE:  # 64-bit indices only where needed: FSDP flat buffers can pass 2^31 elements
         bucket = bucket.to(tl.int64)
-    # The bucket as a [rows, R] tile: a row packs into whole bytes (row_length), so
+    # The bucket as a [rows, R] tile: a row packs into whole bytes (row_layout), so
     # packing reduces along rows, inside a thread, instead of across the block.
     r = tl.arange(0, RBLOCK)
     row = bucket * (B // R) + r  # global row index
@@ -89,7 +90,7 @@ def _quantize_kernel(
             codes = (sign << (BITS - 1)) | j
             tl.store(meta_ptr + bucket, tl.where(bad, float("nan"), scale))
     codes = tl.where(valid, codes, 0)
-    pack_store(codes_ptr, codes, row, rmask, BITS, R)
+    pack_store(codes_ptr, codes, row, rmask, BITS, R, WORD)
 
 
 def quantize(x: torch.Tensor, meta: torch.Tensor, codes: torch.Tensor, config, key: int) -> None:
@@ -104,10 +105,11 @@ def quantize(x: torch.Tensor, meta: torch.Tensor, codes: torch.Tensor, config, k
     B = config.bucket_size
     sid = effective_scheme_id(config.scheme, config.bits)
     nb = -(-n // B)
-    R = row_length(config.bits, codes.data_ptr())
+    R, WORD = row_layout(config.bits, x.element_size())
     _quantize_kernel[(nb,)](
         x, meta, codes, n, -(-n // 8) * (8 // R), key,
-        BITS=config.bits, B=B, R=R, RBLOCK=triton.next_power_of_2(B // R), SCHEME=sid,
+        BITS=config.bits, B=B, R=R, WORD=WORD, RBLOCK=triton.next_power_of_2(B // R),
+        SCHEME=sid,
         LEVELS=levels(sid, config.bits), L2=config.norm == "l2",
         STOCHASTIC=config.rounding == "stochastic", WIDE=n + B >= 2**31,
         num_warps=num_warps(B),

@@ -188,6 +188,7 @@ def quantize(
             )
         if out.data_ptr() == x.data_ptr() and n:
             raise ValueError("out must not alias the input of quantize")
+        _check_aligned("out", out)
         payload = out
     packed = Packed(payload, n, x.dtype, config, x.shape)
     payload[:HEADER_NBYTES].copy_(_header_tensor(n, x.dtype, config, x.device))
@@ -218,6 +219,15 @@ def quantize(
     return packed
 
 
+def _check_aligned(name: str, p: torch.Tensor) -> None:
+    # The fp32 metadata is viewed in place (torch needs the byte offset divisible by
+    # 4), and the kernels store codes as whole uint16/uint32 words.
+    if p.storage_offset() % 4:
+        raise ValueError(f"{name} must start at a byte offset divisible by 4 within its "
+                         f"storage (the fp32 metadata is read in place), got offset "
+                         f"{p.storage_offset()}")
+
+
 def _check_payload(packed: Packed) -> None:
     if not isinstance(packed, Packed):
         raise TypeError(f"dequantize expects a qcomm.Packed, got {type(packed).__name__}")
@@ -227,6 +237,7 @@ def _check_payload(packed: Packed) -> None:
     if (not isinstance(p, torch.Tensor) or p.dtype != torch.uint8 or p.dim() != 1
             or not p.is_contiguous()):
         raise ValueError(f"payload must be a contiguous 1-D uint8 tensor, got {_what(p)}")
+    _check_aligned("payload", p)
     if p.numel() != expected:
         raise ValueError(
             f"payload has {p.numel()} bytes, but {packed.numel} elements at {config.bits} bits, "

@@ -16,7 +16,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     sys.exit("compile_for_gpu.py: unset TRITON_INTERPRET (the interpreter compiles nothing)")
 
 import triton  # noqa: E402
-from qcomm.kernels._common import row_length  # noqa: E402
+from qcomm.kernels._common import row_layout  # noqa: E402
 from qcomm.kernels.dequantize import _dequantize_kernel  # noqa: E402
 from qcomm.kernels.quantize import _quantize_kernel  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -39,8 +39,9 @@ CASES = [
 def compile_case(scheme, bits, dtype, bucket, l2, stochastic, accumulate, arch):
     target = GPUTarget("cuda", arch, 32)
     sid = effective_scheme_id(scheme, bits)
-    R = row_length(bits, 0)  # an aligned codes address
-    common = dict(BITS=bits, B=bucket, R=R, RBLOCK=triton.next_power_of_2(bucket // R),
+    R, WORD = row_layout(bits, {"float32": 4}.get(dtype, 2))
+    common = dict(BITS=bits, B=bucket, R=R, WORD=WORD,
+                  RBLOCK=triton.next_power_of_2(bucket // R),
                   SCHEME=sid, LEVELS=levels(sid, bits))
     warps = 4 if bucket <= 1024 else 8
     q = dict(common, L2=l2, STOCHASTIC=stochastic, WIDE=False)

@@ -26,6 +26,15 @@ def describe_mismatch(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"{int(diff.sum())} of {a.numel()} differ, first at {where}"
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality: torch.equal calls -0.0 equal to +0.0 (triton 3.6's
+    ``-x`` is ``0 - x``, which turned nuq's negative zeros positive on the GPU)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.reshape(-1).view(ints), b.reshape(-1).view(ints))
+
+
 def gradient_like(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4
@@ -54,7 +63,7 @@ def test_triton_matches_reference(scheme, bits, dtype, n):
     want = dequantize(ref, impl="eager")
     got = dequantize(tri, impl="triton").cpu()
     assert got.dtype == dtype
-    assert torch.equal(got, want), describe_mismatch(got, want)
+    assert same_bits(got, want), describe_mismatch(got, want)
 
 
 @pytest.mark.parametrize("scheme, bits", [("minmax", 5), ("maxnorm", 6), ("nuq", 7),
@@ -75,7 +84,7 @@ def test_triton_default_bucket_and_nonfinite():
     got = dequantize(tri, impl="triton").cpu()
     want = dequantize(ref, impl="eager")
     assert torch.isnan(got[:2048]).all() and torch.isfinite(got[2048:]).all()
-    assert torch.equal(got[2048:], want[2048:])
+    assert same_bits(got[2048:], want[2048:])
 
 
 @pytest.mark.parametrize("scheme", ["minmax", "nuq"])
@@ -87,11 +96,11 @@ def test_triton_accumulate_and_cast(scheme):
     on_cpu = Packed(p.payload.cpu(), p.numel, p.dtype, p.config)  # the oracle runs on CPU
     want = acc.cpu() + dequantize(on_cpu, impl="eager")
     dequantize(p, out=acc, accumulate=True, impl="triton")
-    assert torch.equal(acc.cpu(), want)
+    assert same_bits(acc.cpu(), want)
     for dtype in (torch.bfloat16, torch.float16):
         out = torch.empty(x.numel(), dtype=dtype, device=DEVICE)
         dequantize(p, out=out, impl="triton")
-        assert torch.equal(out.cpu(), dequantize(on_cpu, impl="eager").to(dtype))
+        assert same_bits(out.cpu(), dequantize(on_cpu, impl="eager").to(dtype))
 
 
 @pytest.mark.parametrize("scheme", ["minmax", "maxnorm", "nuq"])
@@ -102,6 +111,32 @@ def test_triton_tiny_and_huge_buckets(scheme):
     x[B:2 * B] *= 1e-43
     x[2 * B:3 * B] *= 1e30
     assert_same_bytes(x.to(DEVICE), QuantConfig(bits=4, bucket_size=B, scheme=scheme))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_payload_offsets(bits, dtype):
+    """A payload 4 bytes into a buffer (codes as whole words still aligned) gives the
+    same bytes and writes nothing outside it; 1 or 2 bytes in is a clear error."""
+    from qcomm.layout import packed_nbytes
+
+    x = gradient_like(3 * B + 21, dtype, seed=bits)
+    cfg = QuantConfig(bits=bits, bucket_size=B)
+    nbytes = packed_nbytes(x.numel(), cfg)
+    buf = torch.zeros(nbytes + 8, dtype=torch.uint8, device=DEVICE)
+    out = buf[4:4 + nbytes]
+    tri = quantize(x, cfg, seed=4, impl="triton", out=out)
+    ref = quantize(x.cpu(), cfg, seed=4, impl="eager")
+    assert torch.equal(tri.payload.cpu(), ref.payload)
+    assert not buf[:4].any() and not buf[4 + nbytes:].any(), "wrote outside out"
+    assert same_bits(dequantize(tri, impl="triton").cpu(), dequantize(ref, impl="eager"))
+    for offset in (1, 2):
+        with pytest.raises(ValueError, match="divisible by 4"):
+            quantize(x, cfg, impl="triton", out=buf[offset:offset + nbytes])
+        moved = buf[offset:offset + nbytes]
+        moved.copy_(ref.payload.to(DEVICE))
+        with pytest.raises(ValueError, match="divisible by 4"):
+            dequantize(Packed(moved, x.numel(), dtype, cfg), impl="triton")
 
 
 def test_triton_input_untouched():
@@ -137,11 +172,11 @@ def test_compiled_torch_path_matches_eager(cfg, dtype, monkeypatch):
         assert torch.equal(a.payload, b.payload), describe_mismatch(a.payload, b.payload)
         ya = dequantize(a, impl="torch")
         yb = dequantize(b, impl="eager")
-        assert torch.equal(ya, yb), describe_mismatch(ya, yb)
+        assert same_bits(ya, yb), describe_mismatch(ya, yb)
         acc, acc_eager = torch.ones(n), torch.ones(n)
         dequantize(a, out=acc, accumulate=True, impl="torch")
         dequantize(b, out=acc_eager, accumulate=True, impl="eager")
-        assert torch.equal(acc, acc_eager)
+        assert same_bits(acc, acc_eager)
 
 
 def test_kernels_compile_for_hopper():
