@@ -192,3 +192,17 @@ def test_crossdevice_compare_sees_bits_values_hide():
     other = {"all_gather": dict(s["all_gather"], control_bytes=0)}
     assert same_counters(s, other)
     assert not same_counters(s, {"all_gather": dict(s["all_gather"], wire_bytes=3)})
+
+
+def test_weight_error_shows_bucket_straddling():
+    """bench.weight_error: a 128-bucket spanning LayerNorm gain and bias wrecks the bias
+    (the gain's ~1.0 sets the step); buckets on parameter boundaries do not."""
+    from bench.weight_error import block_shards, relative_errors
+
+    shards = block_shards()
+    names = [n for n, _ in shards]
+    cfg = qcomm.QuantConfig(bits=4, bucket_size=128, rounding="nearest")
+    mixed = dict(zip(names, relative_errors(shards, cfg, aligned=False), strict=True))
+    alone = dict(zip(names, relative_errors(shards, cfg, aligned=True), strict=True))
+    assert mixed["ln1.bias"] > 1.0 and alone["ln1.bias"] < 0.15
+    assert abs(mixed["fc.weight"] - alone["fc.weight"]) < 0.01  # big params: no effect
