@@ -13,9 +13,10 @@ import triton.language as tl
 # bucket: one warp, 32 values per thread). Fewer threads per bucket means fewer
 # cross-warp reductions (shared memory and barriers) per element: compiled for sm_90,
 # the 8-bit min-max quantize kernel is 42 SASS instructions per element at 1 warp, 65
-# at 4 and 100 at 8 (static counts, cuobjdump of the cubin), and at ~33 T instructions/s
-# an H200 must stay under ~60 per element to quantize fp32 at its 4.3 TB/s copy rate.
-# QCOMM_TRITON_WARPS overrides it (bench/device_check.sh compares settings); read once.
+# at 4 and 100 at 8 (static counts: `python tests/compile_for_gpu.py --sass`), and at
+# ~33 T instructions/s an H200 must stay under ~60 per element to quantize fp32 at its
+# 4.3 TB/s copy rate. QCOMM_TRITON_WARPS overrides it (bench/device_check.sh compares
+# settings); read once.
 _WARPS_OVERRIDE = int(os.environ.get("QCOMM_TRITON_WARPS", "0") or 0)
 
 
@@ -100,10 +101,36 @@ def row_layout(bits: int, elem_size: int) -> tuple[int, int]:
     R = 4 if elem_size == 4 and bits in (2, 4) else 8
     if bits == 8:
         return R, 8
-    nbytes = R * bits // 8
-    if R * bits % 8 == 0 and nbytes in (1, 2, 4):
-        return R, nbytes
-    return 8, 0
+    nbytes = R * bits // 8  # whole: R is 8, or 4 with an even width
+    return (R, nbytes) if nbytes in (1, 2, 4) else (8, 0)
+
+
+def tile_args(config, n: int, elem_size: int) -> dict:
+    """The launch arguments both kernels share: tile shape, storage and index width."""
+    B = config.bucket_size
+    R, WORD = row_layout(config.bits, elem_size)
+    return dict(n_rows=-(-n // 8) * (8 // R), BITS=config.bits, B=B, R=R, WORD=WORD,
+                RBLOCK=triton.next_power_of_2(B // R), WIDE=n + B >= 2**31,
+                num_warps=num_warps(B))
+
+
+@triton.jit
+def bucket_tile(n, n_rows, B: tl.constexpr, R: tl.constexpr, RBLOCK: tl.constexpr,
+                WIDE: tl.constexpr):
+    """This program's bucket as a [rows, R] tile: (bucket, row, rmask, index, valid).
+
+    A row packs into whole bytes (row_layout), so packing reduces along rows, inside a
+    thread, instead of across the block. Indices are int64 only when ``WIDE`` (FSDP flat
+    buffers can pass 2^31 elements)."""
+    bucket = tl.program_id(0)
+    if WIDE:
+        bucket = bucket.to(tl.int64)
+    r = tl.arange(0, RBLOCK)
+    row = bucket * (B // R) + r  # global row index
+    rmask = (r < B // R) & (row < n_rows)
+    index = row[:, None] * R + tl.arange(0, R)[None, :]
+    valid = rmask[:, None] & (index < n)
+    return bucket, row, rmask, index, valid
 
 
 @triton.jit

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from qcomm.layout import effective_scheme_id, levels
 
-from ._common import load_unpack, num_warps, row_layout
+from ._common import bucket_tile, load_unpack, tile_args
 
 
 @triton.jit
@@ -44,14 +44,7 @@ def _dequantize_kernel(
     ACCUMULATE: tl.constexpr,
     WIDE: tl.constexpr,  # n >= 2^31: int64 element indices
 ):
-    bucket = tl.program_id(0)
-    if WIDE:
-        bucket = bucket.to(tl.int64)
-    r = tl.arange(0, RBLOCK)  # the bucket as [rows, R]: see quantize
-    row = bucket * (B // R) + r
-    rmask = (r < B // R) & (row < n_rows)
-    index = row[:, None] * R + tl.arange(0, R)[None, :]
-    valid = rmask[:, None] & (index < n)
+    bucket, row, rmask, index, valid = bucket_tile(n, n_rows, B, R, RBLOCK, WIDE)
     k = load_unpack(codes_ptr, row, rmask, BITS, R, WORD)
     if SCHEME == 0:
         mn = tl.load(meta_ptr + bucket * 2)
@@ -84,14 +77,9 @@ def dequantize(meta: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, confi
     n = out.numel()
     if n == 0:
         return
-    B = config.bucket_size
     sid = effective_scheme_id(config.scheme, config.bits)
-    R, WORD = row_layout(config.bits, out.element_size())
-    _dequantize_kernel[(-(-n // B),)](
-        meta, codes, out, n, -(-n // 8) * (8 // R),
-        BITS=config.bits, B=B, R=R, WORD=WORD, RBLOCK=triton.next_power_of_2(B // R),
-        SCHEME=sid,
-        LEVELS=levels(sid, config.bits), ACCUMULATE=accumulate, WIDE=n + B >= 2**31,
-        num_warps=num_warps(B),
+    _dequantize_kernel[(-(-n // config.bucket_size),)](
+        meta, codes, out, n, SCHEME=sid, LEVELS=levels(sid, config.bits),
+        ACCUMULATE=accumulate, **tile_args(config, n, out.element_size()),
         enable_fp_fusion=False,  # mn + k * step must round as torch does (no FMA)
     )

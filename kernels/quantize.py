@@ -12,7 +12,7 @@ import triton.language as tl
 
 from qcomm.layout import effective_scheme_id, levels
 
-from ._common import num_warps, pack_store, round_codes, row_layout, scaled, uniform
+from ._common import bucket_tile, pack_store, round_codes, scaled, tile_args, uniform
 
 
 @triton.jit
@@ -34,16 +34,7 @@ def _quantize_kernel(
     STOCHASTIC: tl.constexpr,  # stochastic rounding, else nearest
     WIDE: tl.constexpr,  # n >= 2^31: int64 element indices
 ):
-    bucket = tl.program_id(0)
-    if WIDE:  # 64-bit indices only where needed: FSDP flat buffers can pass 2^31 elements
-        bucket = bucket.to(tl.int64)
-    # The bucket as a [rows, R] tile: a row packs into whole bytes (row_layout), so
-    # packing reduces along rows, inside a thread, instead of across the block.
-    r = tl.arange(0, RBLOCK)
-    row = bucket * (B // R) + r  # global row index
-    rmask = (r < B // R) & (row < n_rows)
-    index = row[:, None] * R + tl.arange(0, R)[None, :]
-    valid = rmask[:, None] & (index < n)
+    bucket, row, rmask, index, valid = bucket_tile(n, n_rows, B, R, RBLOCK, WIDE)
     x = tl.load(x_ptr + index, mask=valid, other=0.0).to(tl.float32)
     # NaN iff the bucket holds inf or NaN, whatever the summation order.
     z = tl.sum(tl.sum(x * 0.0, axis=1), axis=0)
@@ -102,17 +93,11 @@ def quantize(x: torch.Tensor, meta: torch.Tensor, codes: torch.Tensor, config, k
     n = x.numel()
     if n == 0:
         return
-    B = config.bucket_size
     sid = effective_scheme_id(config.scheme, config.bits)
-    nb = -(-n // B)
-    R, WORD = row_layout(config.bits, x.element_size())
-    _quantize_kernel[(nb,)](
-        x, meta, codes, n, -(-n // 8) * (8 // R), key,
-        BITS=config.bits, B=B, R=R, WORD=WORD, RBLOCK=triton.next_power_of_2(B // R),
-        SCHEME=sid,
-        LEVELS=levels(sid, config.bits), L2=config.norm == "l2",
-        STOCHASTIC=config.rounding == "stochastic", WIDE=n + B >= 2**31,
-        num_warps=num_warps(B),
+    _quantize_kernel[(-(-n // config.bucket_size),)](
+        x, meta, codes, n, key=key, SCHEME=sid, LEVELS=levels(sid, config.bits),
+        L2=config.norm == "l2", STOCHASTIC=config.rounding == "stochastic",
+        **tile_args(config, n, x.element_size()),
         # A fused multiply-add rounds once where torch rounds twice and would flip a
         # code now and then: the wire bytes must match the torch path exactly.
         enable_fp_fusion=False,

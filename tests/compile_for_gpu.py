@@ -16,7 +16,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     sys.exit("compile_for_gpu.py: unset TRITON_INTERPRET (the interpreter compiles nothing)")
 
 import triton  # noqa: E402
-from qcomm.kernels._common import row_layout  # noqa: E402
+from qcomm.kernels._common import num_warps, row_layout  # noqa: E402
 from qcomm.kernels.dequantize import _dequantize_kernel  # noqa: E402
 from qcomm.kernels.quantize import _quantize_kernel  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -36,30 +36,65 @@ CASES = [
 ]
 
 
-def compile_case(scheme, bits, dtype, bucket, l2, stochastic, accumulate, arch):
+def compile_case(scheme, bits, dtype, bucket, l2, stochastic, accumulate, arch, warps=None,
+                 aligned=False):
     target = GPUTarget("cuda", arch, 32)
     sid = effective_scheme_id(scheme, bits)
     R, WORD = row_layout(bits, {"float32": 4}.get(dtype, 2))
     common = dict(BITS=bits, B=bucket, R=R, WORD=WORD,
                   RBLOCK=triton.next_power_of_2(bucket // R),
                   SCHEME=sid, LEVELS=levels(sid, bits))
-    warps = 4 if bucket <= 1024 else 8
+    warps = warps or num_warps(bucket)
+    # aligned: pointers and sizes divisible by 16, as Triton specializes a real launch
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)} if aligned else None
     q = dict(common, L2=l2, STOCHASTIC=stochastic, WIDE=False)
     sig = dict(x_ptr="*" + DTYPES[dtype], meta_ptr="*fp32", codes_ptr="*u8", n="i64",
                n_rows="i64", key="i32", **{k: "constexpr" for k in q})
     options = dict(num_warps=warps, enable_fp_fusion=False)
-    kq = triton.compile(ASTSource(_quantize_kernel, sig, constexprs=q), target=target,
-                        options=options)
+    kq = triton.compile(ASTSource(_quantize_kernel, sig, constexprs=q, attrs=attrs),
+                        target=target, options=options)
     d = dict(common, ACCUMULATE=accumulate, WIDE=False)
     out = "*fp32" if accumulate else "*" + DTYPES[dtype]
     sig = dict(meta_ptr="*fp32", codes_ptr="*u8", out_ptr=out, n="i64", n_rows="i64",
                **{k: "constexpr" for k in d})
-    kd = triton.compile(ASTSource(_dequantize_kernel, sig, constexprs=d), target=target,
-                        options=options)
+    src = ASTSource(_dequantize_kernel, sig, constexprs=d, attrs=attrs)
+    kd = triton.compile(src,
+                        target=target, options=options)
     return kq, kd
 
 
+def sass_count(kernel) -> int:
+    """Static SASS instructions of a compiled kernel (Triton's bundled cuobjdump)."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    return sum(1 for line in out.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line))
+
+
+def sass_table() -> int:
+    """``--sass``: static SASS instructions per element of the 8-bit min-max fp32
+    kernels (bucket 1024, stochastic) at 1, 2, 4 and 8 warps: the counts the warps
+    comment in kernels/_common.py quotes."""
+    for warps in (1, 2, 4, 8):
+        kq, kd = compile_case("minmax", 8, "float32", 1024, False, True, False, arch=90,
+                              warps=warps, aligned=True)
+        per = 1024 / (32 * warps)  # elements per thread
+        print(f"{warps} warps: quantize {sass_count(kq) / per:.1f}, "
+              f"dequantize {sass_count(kd) / per:.1f} SASS instructions per element")
+    return 0
+
+
 def main() -> int:
+    if "--sass" in sys.argv:
+        return sass_table()
     arch = int(sys.argv[1]) if len(sys.argv) > 1 else 90
     for case in CASES:
         kq, kd = compile_case(*case, arch=arch)
