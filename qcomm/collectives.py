@@ -460,10 +460,11 @@ def _finish(work, async_op: bool, kind: str, rank: int, divide=None):
 @torch.no_grad()
 def packed_all_gather(inner, outs: list[torch.Tensor], inp: torch.Tensor, q: QuantConfig,
                       state: GroupState, seed: int, agreement: Agreement | None = None,
-                      kind: str = "all_gather") -> int:
-    """All-gather ``inp`` from every rank into ``outs[r]`` as payloads; returns the
-    payload size (bytes this rank sends). ``agreement``, when given, is finished
-    (checked) after the quantize and before anything is sent or written."""
+                      kind: str = "all_gather", accumulate: bool = False) -> int:
+    """All-gather ``inp`` from every rank into ``outs[r]`` as payloads (``accumulate``:
+    added into fp32 ``outs``); returns the payload size (bytes this rank sends).
+    ``agreement``, when given, is finished (checked) after the quantize and before
+    anything is sent or written."""
     n, world = inp.numel(), len(outs)
     nb = packed_nbytes(n, q)
     send = state.buffers.get("ag_send", nb, torch.uint8, inp.device)
@@ -477,7 +478,8 @@ def packed_all_gather(inner, outs: list[torch.Tensor], inp: torch.Tensor, q: Qua
     _check_rows(rows, n, inp.dtype, q, skip=None, state=state)
     for r, out in enumerate(outs):
         # payload sizes are multiples of 16 bytes: every row's fp32 meta view is aligned
-        dequantize(Packed(rows[r], n, inp.dtype, q), out=out, check=False)
+        dequantize(Packed(rows[r], n, inp.dtype, q), out=out, accumulate=accumulate,
+                   check=False)
     return nb
 
 
