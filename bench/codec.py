@@ -118,7 +118,7 @@ def _measure_points(points, rows, impls, inputs, timeit, memcpy_s, device) -> No
         x, y = inputs.get(p.dtype, p.numel)
         itemsize = x.element_size()
         if (p.dtype, p.numel) not in memcpy_s:
-            memcpy_s[p.dtype, p.numel] = timeit(lambda: y.copy_(x))
+            memcpy_s[p.dtype, p.numel] = timeit(lambda x=x, y=y: y.copy_(x))
         copy_gbps = common.gbps(2 * p.numel * itemsize, memcpy_s[p.dtype, p.numel])
         config = QuantConfig(bits=p.bits, scheme=p.scheme)
         payload = torch.empty(qcomm.packed_nbytes(p.numel, config), dtype=torch.uint8,
@@ -130,8 +130,11 @@ def _measure_points(points, rows, impls, inputs, timeit, memcpy_s, device) -> No
         for impl in list(impls):
             try:
                 packed = qcomm.quantize(x, config, seed=1, impl=impl, out=payload)  # compiles
-                tq = timeit(lambda: qcomm.quantize(x, config, seed=1, impl=impl, out=payload))
-                td = timeit(lambda: qcomm.dequantize(packed, out=y, impl=impl, check=False))
+                # timed here, before the loop moves on: the lambdas' names are this point's
+                tq = timeit(lambda: qcomm.quantize(x, config, seed=1, impl=impl,  # noqa: B023
+                                                   out=payload))  # noqa: B023
+                td = timeit(lambda: qcomm.dequantize(packed, out=y, impl=impl,  # noqa: B023
+                                                     check=False))
             except Exception as e:  # one broken provider must not lose the others' sweep
                 print(f"# {impl} FAILED at {p}: {type(e).__name__}: {e}; dropped from the "
                       "rest of the sweep", file=sys.stderr, flush=True)
@@ -219,10 +222,12 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
              "(default 16..26 on CPU, 16..28 on GPU)")
     p.add_argument("--bits", type=common.arg(parse_bits), default=[2, 4, 8],
                    help="comma list of bit widths, 1..8 (default 2,4,8)")
-    p.add_argument("--schemes", type=common.arg(lambda s: common.parse_list(s, SCHEMES, "--schemes")),
+    p.add_argument("--schemes",
+                   type=common.arg(lambda s: common.parse_list(s, SCHEMES, "--schemes")),
                    default=list(SCHEMES) if on_gpu else ["minmax"],
                    help="comma list or 'all' (default: all on GPU, minmax on CPU)")
-    p.add_argument("--dtypes", type=common.arg(lambda s: common.parse_list(s, list(DTYPES), "--dtypes")),
+    p.add_argument("--dtypes",
+                   type=common.arg(lambda s: common.parse_list(s, list(DTYPES), "--dtypes")),
                    default=list(DTYPES) if on_gpu else ["float32", "bfloat16"],
                    help="comma list or 'all' (default: all on GPU, float32,bfloat16 on CPU)")
     p.add_argument("--impls", type=common.arg(lambda s: common.parse_list(s, IMPLS, "--impls")),

@@ -253,7 +253,6 @@ def worker(spec: dict) -> None:
     """One rank: run the sweep; rank 0 writes the rows to ``spec["result"]``."""
     import torch.distributed as dist
 
-    import qcomm
 
     start = time.monotonic()
     pin_this_rank()
@@ -438,7 +437,8 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
                    default="nccl" if torch.cuda.device_count() >= 2 else "gloo",
                    help="the inner backend: gloo on CPU tensors, nccl on one GPU per rank "
                         "(default where there are 2+ GPUs)")
-    p.add_argument("--sizes", type=common.arg(common.parse_sizes), default=common.parse_sizes("10..26:2"),
+    p.add_argument("--sizes", type=common.arg(common.parse_sizes),
+                   default=common.parse_sizes("10..26:2"),
                    help="elements of the full buffer: LO..HI[:STEP] powers of two, 2^K, counts "
                         "(default 10..26:2)")
     p.add_argument("--collectives", type=common.arg(

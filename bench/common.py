@@ -317,8 +317,8 @@ def _cell(col: Column, row: dict) -> str:
 def format_table(columns: Sequence[Column], rows: Sequence[dict]) -> str:
     cells = [[_cell(c, r) for c in columns] for r in rows]
     widths = [max([len(c.title)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
-    out = ["  ".join(c.title.rjust(w) for c, w in zip(columns, widths))]
-    out += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    out = ["  ".join(c.title.rjust(w) for c, w in zip(columns, widths, strict=True))]
+    out += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
     return "\n".join(out)
 
 
@@ -381,7 +381,7 @@ def plot_lines(
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4.2 * nrows), squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
-    for ax, (title, series) in zip(axes.flat, panels.items()):
+    for ax, (title, series) in zip(axes.flat, panels.items(), strict=False):
         for label, (xs, ys) in series.items():
             ax.plot(xs, ys, marker="o", markersize=3, label=label)
         if logx:

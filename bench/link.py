@@ -4,7 +4,7 @@
 shaped by ``tc tbf`` to the rate (NOTES.md, "Slow links on one machine")::
 
     netns qcb<pid>a                          netns qcb<pid>b
-    [ranks 0 .. w/2-1] qva 198.18.0.1/24 <-veth, tbf RATE each way-> qvb 198.18.0.2/24 [ranks w/2 ..]
+    [ranks 0 .. w/2-1] qva 198.18.0.1/24 <-veth+tbf RATE each way-> qvb 198.18.0.2/24 [ranks w/2 ..]
 
 Addresses come from 198.18.0.0/15 (RFC 2544, benchmarking) and only these two
 namespaces' own addresses are ever a target; the namespaces have no route out. Both

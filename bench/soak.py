@@ -331,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     for m in header["memory"]:
         print(f"# rank {m['rank']}: rss {m['rss_warm_mib']:.1f} MiB after warm-up -> "
               f"{m['rss_end_mib']:.1f} MiB at the end ({m['growth_pct']:+.2f}%, peak "
-              f"{m['growth_max_pct']:+.2f}%, second half {m['growth_late_pct']:+.2f}%); buffer cache {m['cache_warm_mib']:.1f} -> "
+              f"{m['growth_max_pct']:+.2f}%, second half {m['growth_late_pct']:+.2f}%); "
+              f"buffer cache {m['cache_warm_mib']:.1f} -> "
               f"{m['cache_end_mib']:.1f} MiB; {m['seconds']:.0f} s")
     print(f"# {args.count} collectives checked on {args.world} ranks; results in {folder}")
     if bad:

@@ -151,13 +151,19 @@ def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
 # ------------------------------------------------------------------------- variants
 
 
+# Variant options that install qcomm.fsdp's per-module collectives after fully_shard.
+STATEFUL = {"wd": "quantize_weight_deltas", "ge": "feed_back_gradient_errors"}
+
+
 def parse_variant(name: str) -> dict:
     """``fp32`` or ``wAgB[-option...]`` -> the QCOMM_* environment of that run.
 
     Options: a scheme (``nuq``, ``maxnorm``, ``minmax``) for both collectives;
     ``wn`` weights (all-gather) rounded to nearest; ``wbN`` weight bucket size N;
-    ``wd`` weights sent as differences (:func:`qcomm.fsdp.quantize_weight_deltas`,
-    read by the worker from the name: it is no environment setting).
+    ``gbN`` gradient bucket size N; ``wd`` weights sent as differences
+    (:func:`qcomm.fsdp.quantize_weight_deltas`) and ``ge`` gradients with error feedback
+    (:func:`qcomm.fsdp.feed_back_gradient_errors`): these two the worker reads from the
+    name (:data:`STATEFUL`), not from the environment.
     """
     if name == "fp32":
         return {"QCOMM_AG_BITS": "off", "QCOMM_RS_BITS": "off", "QCOMM_AR_BITS": "off"}
@@ -176,9 +182,11 @@ def parse_variant(name: str) -> dict:
             env["QCOMM_AG_ROUNDING"] = "nearest"
         elif opt.startswith("wb") and opt[2:].isdigit():
             env["QCOMM_AG_BUCKET"] = opt[2:]
-        elif opt != "wd":
+        elif opt.startswith("gb") and opt[2:].isdigit():
+            env["QCOMM_RS_BUCKET"] = opt[2:]
+        elif opt not in STATEFUL:
             raise ValueError(f"bad variant {name!r}: option {opt!r} "
-                             "(nuq, maxnorm, wn, wbN, wd)")
+                             "(nuq, maxnorm, wn, wbN, gbN, wd, ge)")
     return env
 
 
@@ -218,10 +226,11 @@ def worker(spec: dict) -> None:
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    if "wd" in spec["name"].split("-")[1:]:
-        import qcomm.fsdp
+    for opt in spec["name"].split("-")[1:]:
+        if opt in STATEFUL:
+            import qcomm.fsdp
 
-        qcomm.fsdp.quantize_weight_deltas(model)
+            getattr(qcomm.fsdp, STATEFUL[opt])(model)
     opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.1,
                             betas=(0.9, 0.95))
     B, T, steps = spec["batch"], cfg.seq, spec["steps"]
@@ -396,7 +405,7 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--variants", type=common.arg(lambda s: [v for v in s.split(",") if v and
                                                            parse_variant(v) is not None]),
                    default=["fp32", "w8g8", "w4g8", "w4g4", "w4g4-nuq", "w4g4-wn-wb128"],
-                   help="fp32 first (the baseline); wAgB[-nuq|-maxnorm|-wn|-wbN|-wd]")
+                   help="fp32 first (the baseline); wAgB[-nuq|-maxnorm|-wn|-wbN|-gbN|-wd|-ge]")
     p.add_argument("--seeds", type=common.arg(parse_ints), default=[0],
                    help="data-order seeds (comma list); each variant runs every seed")
     p.add_argument("--steps", type=int, default=300)

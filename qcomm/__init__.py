@@ -7,9 +7,9 @@
 __version__ = "0.1.0"
 
 from .codec import Packed, dequantize, describe, quantize  # noqa: E402
+from .collectives import all_gather_into_tensor, all_reduce, reduce_scatter_tensor  # noqa: E402
 from .config import CommConfig, QuantConfig, comm_config_from_env  # noqa: E402
 from .layout import packed_nbytes  # noqa: E402
-from .collectives import all_gather_into_tensor, all_reduce, reduce_scatter_tensor  # noqa: E402
 from .process_group import QcommProcessGroup, register, wrap  # noqa: E402
 from .stats import CollectiveStats, stats  # noqa: E402
 

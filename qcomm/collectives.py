@@ -349,9 +349,9 @@ class Agreement:
         for peer, row in enumerate(rows):
             theirs = bytes(row)
             if theirs != self.desc:
-                raise ValueError(
-                    f"qcomm {self.kind}: ranks disagree ({_explain(self.desc, theirs, self.rank, peer)}); "
-                    "nothing was sent or written")
+                why = _explain(self.desc, theirs, self.rank, peer)
+                raise ValueError(f"qcomm {self.kind}: ranks disagree ({why}); "
+                                 "nothing was sent or written")
 
 
 def start_agreement(inner, state: GroupState, kind: str, numel: int, dtype: torch.dtype,
@@ -487,10 +487,14 @@ def packed_all_gather(inner, outs: list[torch.Tensor], inp: torch.Tensor, q: Qua
 def packed_reduce_scatter(inner, chunks: list[torch.Tensor], rank: int, q: QuantConfig,
                           state: GroupState, seeds: list[int],
                           agreement: Agreement | None = None,
-                          kind: str = "reduce_scatter") -> tuple[torch.Tensor, int]:
+                          kind: str = "reduce_scatter",
+                          residuals: list[torch.Tensor] | None = None
+                          ) -> tuple[torch.Tensor, int]:
     """Sum ``chunks[j]`` of every rank into rank j; returns (fp32 sum of this rank's
     chunk, in a scratch buffer; payload size per chunk). ``agreement`` as in
-    :func:`packed_all_gather`."""
+    :func:`packed_all_gather`. ``residuals`` (error feedback): fp32, one per chunk;
+    what the last call's quantization left out is added to each peer chunk before it
+    is quantized, and what this one leaves out replaces it."""
     world = len(chunks)
     n = chunks[0].numel()
     dtype, device = chunks[0].dtype, chunks[0].device
@@ -500,7 +504,14 @@ def packed_reduce_scatter(inner, chunks: list[torch.Tensor], rank: int, q: Quant
     for j, chunk in enumerate(chunks):
         if j == rank:  # the own chunk stays exact; its slot only travels to itself
             continue
-        quantize(chunk, q, seed=seeds[j], out=send[j])
+        if residuals is None:
+            quantize(chunk, q, seed=seeds[j], out=send[j])
+            continue
+        fed = residuals[j].add_(chunk.reshape(-1))  # the residual becomes what is owed
+        quantize(fed.to(dtype), q, seed=seeds[j], out=send[j])
+        sent = state.buffers.get("rs_sent", n, torch.float32, device).zero_()
+        dequantize(Packed(send[j], n, dtype, q), out=sent, accumulate=True, check=False)
+        fed.sub_(sent)
     if agreement is not None:
         agreement.finish()
     _wait(inner_all_to_all(inner, recv, send.view(-1)), kind,
@@ -624,10 +635,12 @@ def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op=ReduceOp.SUM,
 @torch.no_grad()
 def scatter_from(group, out: torch.Tensor, chunks: list[torch.Tensor],
                  inp_flat: torch.Tensor | None, op, *, config=None, async_op: bool = False,
-                 exact=None, can_compress: bool = True):
+                 exact=None, can_compress: bool = True, residuals=None):
     """Reduce-scatter of per-rank input ``chunks`` (views of ``inp_flat`` when given)
     into ``out``; ``exact(op, chunks)`` is the passthrough (default: the inner flat
-    reduce-scatter of ``inp_flat``); ``can_compress=False`` forces it."""
+    reduce-scatter of ``inp_flat``); ``can_compress=False`` forces it.
+    ``residuals(world, n, device)``, when given, returns the error-feedback buffers of
+    a compressed call (:func:`packed_reduce_scatter`)."""
     state, inner = group_state(group), inner_group(group)
     world, rank, n = group.size(), inner.rank(), out.numel()
     ensure_agreed(group, state, inner, "reduce_scatter", out.device)
@@ -655,7 +668,9 @@ def scatter_from(group, out: torch.Tensor, chunks: list[torch.Tensor],
         seeds = [call_seed(base, call, rank * world + j) for j in range(world)]
         agreement = start_agreement(inner, state, "reduce_scatter", n, out.dtype, q, op, call,
                                     out.device)
-        acc, nb = packed_reduce_scatter(inner, chunks, rank, q, state, seeds, agreement)
+        acc, nb = packed_reduce_scatter(
+            inner, chunks, rank, q, state, seeds, agreement,
+            residuals=None if residuals is None else residuals(world, n, out.device))
         _apply_op(acc, op, world)
         out.copy_(acc.view(out.shape))
     state.stats.record("reduce_scatter", compressed=True, logical=logical,

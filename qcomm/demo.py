@@ -75,8 +75,9 @@ def train_fsdp2(mesh, steps: int, dim: int) -> list[float]:
 
 
 def _run(steps: int, dim: int) -> None:
-    import qcomm
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    import qcomm
 
     from .stats import format_table
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import io
 import os
 import queue
-import time
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 

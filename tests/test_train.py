@@ -13,7 +13,8 @@ def test_variant_parsing():
     assert train.parse_variant("fp32")["QCOMM_AG_BITS"] == "off"
     env = train.parse_variant("w4g8-nuq")
     assert (env["QCOMM_AG_BITS"], env["QCOMM_RS_BITS"], env["QCOMM_SCHEME"]) == ("4", "8", "nuq")
-    assert train.parse_variant("w4g4-wd") == train.parse_variant("w4g4")  # wd: no env
+    assert train.parse_variant("w4g4-wd-ge") == train.parse_variant("w4g4")  # no env
+    assert train.parse_variant("w4g4-gb128")["QCOMM_RS_BUCKET"] == "128"
     env = train.parse_variant("w4g4-wn-wb128")
     assert (env["QCOMM_AG_ROUNDING"], env["QCOMM_AG_BUCKET"]) == ("nearest", "128")
     for bad in ("w9g8", "w4", "x4g4", "w4g4-qsgd", "w0g8", "w4g4-wbx"):
@@ -33,14 +34,14 @@ def test_train_two_steps_two_ranks(tmp_path, monkeypatch):
     monkeypatch.setenv("QCOMM_COMPILE", "0")
     p = argparse.ArgumentParser()
     train.add_arguments(p, False)
-    args = p.parse_args(["--steps", "2", "--eval-every", "1", "--variants", "fp32,w4g4-nuq-wd",
+    args = p.parse_args(["--steps", "2", "--eval-every", "1", "--variants", "fp32,w4g4-nuq-wd-ge",
                          "--layers", "1", "--width", "32", "--heads", "2", "--seq", "16",
                          "--batch", "2", "--eval-windows", "4", "--limit-bytes", "100000",
                          "--timeout", "240"])
     args.out, args.no_plot, args.command = str(tmp_path), True, "test"
     assert train.main(args) == 0
     runs = json.loads((tmp_path / "train-loopback-runs.json").read_text())["runs"]
-    assert [r["variant"] for r in runs] == ["fp32", "w4g4-nuq-wd"]
+    assert [r["variant"] for r in runs] == ["fp32", "w4g4-nuq-wd-ge"]
     fp32, quant = runs
     for r in runs:
         assert len(r["curve"]) == 2 and all(math.isfinite(c[1]) for c in r["curve"])

@@ -24,16 +24,42 @@ W4 = {"QCOMM_AG_BITS": "4", "QCOMM_AG_ROUNDING": "nearest", "QCOMM_AG_BUCKET": "
 STEPS = 6
 
 
-def _gathered_and_true(model):
-    """(what the ranks compute with, the exact full weights) as flat fp32 vectors."""
-    from torch.distributed.fsdp import FSDPModule
+def _sharded(mp_policy=None):
+    """TinyLM, ``fully_shard`` per layer and at the root, and its Adam."""
+    from torch.distributed.fsdp import fully_shard
 
-    mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    torch.manual_seed(0)
+    model = TinyLM()
+    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+    for layer in model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model, torch.optim.Adam(model.parameters(), lr=3e-3)
+
+
+def _step(model, opt, rank: int, step: int) -> float:
+    x, y = batch(rank, step)
+    loss = nn.functional.cross_entropy(model(x).float().view(-1, VOCAB), y.view(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _gathered(model) -> torch.Tensor:
+    """What the ranks compute with (flat fp32), through the all-gather forward uses."""
+    mods = qcomm.fsdp.fsdp_modules(model)
     for m in mods:
-        m.unshard()  # the all-gather the forward uses: through DeltaAllGather
+        m.unshard()
     seen = torch.cat([p.detach().float().reshape(-1).clone() for p in model.parameters()])
     for m in mods:
         m.reshard()
+    return seen
+
+
+def _gathered_and_true(model):
+    """(what the ranks compute with, the exact full weights) as flat fp32 vectors."""
+    seen = _gathered(model)
     # full_tensor() all-gathers through gloo's functional collectives: exact
     true = torch.cat([p.detach().full_tensor().float().reshape(-1) for p in model.parameters()])
     return seen, true
@@ -53,37 +79,26 @@ class _PlainGather(qcomm.fsdp.DeltaAllGather):
 
 def _track(rank, world, deltas: bool):
     """On plain gloo (exact full_tensor() for the truth; qcomm configured from W4)."""
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = TinyLM()
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model, opt = _sharded()
     if deltas:
         comms = qcomm.fsdp.quantize_weight_deltas(model)
     else:
         comms = [_PlainGather() for _ in qcomm.fsdp.fsdp_modules(model)]
         for m, comm in zip(qcomm.fsdp.fsdp_modules(model), comms, strict=True):
             m.set_custom_all_gather(comm)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     errors = []
     seen, true = _gathered_and_true(model)
     errors.append(_rel(seen, true))
     seen, true = _gathered_and_true(model)  # unchanged weights: the residual is sent
     errors.append(_rel(seen, true))
     for step in range(STEPS):
-        x, y = batch(rank, step)
-        loss = nn.functional.cross_entropy(model(x).view(-1, VOCAB), y.view(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        _step(model, opt, rank, step)
         seen, true = _gathered_and_true(model)
         errors.append(_rel(seen, true))
     group = dist.group.WORLD
     stats = qcomm.stats(group)["all_gather"]
     return {"errors": errors, "seen": seen, "calls": stats.calls_compressed,
-            "wire": stats.wire_bytes, "ref_nbytes": sum(c.ref_nbytes() for c in comms),
+            "wire": stats.wire_bytes, "state_nbytes": sum(c.state_nbytes() for c in comms),
             "params": sum(p.numel() for p in model.parameters())}
 
 
@@ -106,43 +121,30 @@ def test_deltas_track_weights_far_closer_than_plain_4bit():
     # same payloads on the wire; the price is one fp32 copy of the unsharded weights
     assert delta[0]["calls"] == plain[0]["calls"] > 0
     assert delta[0]["wire"] == plain[0]["wire"]
-    assert delta[0]["ref_nbytes"] >= 4 * delta[0]["params"]
+    assert delta[0]["state_nbytes"] >= 4 * delta[0]["params"]
 
 
 def test_deltas_exact_when_all_gather_is_off():
     out = run_ranks(_track, 2, True, backend="gloo", env={"QCOMM_AG_BITS": "off"})
     assert all(e == 0.0 for e in out[0]["errors"]), out[0]["errors"]
-    assert out[0]["calls"] == 0 and out[0]["ref_nbytes"] == 0
+    assert out[0]["calls"] == 0 and out[0]["state_nbytes"] == 0
 
 
 def _train_on_qcomm(rank, world):
     """Through the "qcomm" backend (its config, seeds and stats), bf16 parameters."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    torch.manual_seed(0)
-    model = TinyLM()
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+    model, opt = _sharded(MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                               reduce_dtype=torch.float32))
     qcomm.fsdp.quantize_weight_deltas(model)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(rank, step)
-        loss = nn.functional.cross_entropy(model(x).float().view(-1, VOCAB), y.view(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    from torch.distributed.fsdp import FSDPModule
-
-    mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    losses = [_step(model, opt, rank, step) for step in range(STEPS)]
+    mods = qcomm.fsdp.fsdp_modules(model)
     for m in mods:
         m.unshard()
-    seen = torch.cat([p.detach().float().reshape(-1).clone() for p in model.parameters()])
-    dtypes = {p.dtype for p in model.parameters()}
-    return {"losses": losses, "seen": seen, "dtypes": dtypes,
+    dtypes = {p.dtype for p in model.parameters()}  # unsharded: the compute dtype
+    for m in mods:
+        m.reshard()
+    return {"losses": losses, "seen": _gathered(model), "dtypes": dtypes,
             "calls": qcomm.stats(dist.group.WORLD)["all_gather"].calls_compressed}
 
 
@@ -159,3 +161,65 @@ def test_quantize_weight_deltas_needs_fsdp_modules():
         qcomm.fsdp.quantize_weight_deltas(nn.Linear(2, 2))
     with pytest.raises(TypeError, match="QuantConfig"):
         qcomm.fsdp.DeltaAllGather(config=4)
+
+
+# ------------------------------------------------------------------ error feedback
+
+EF_CALLS = 16
+
+
+def _repeat_reduce_scatter(rank, world, feedback: bool, rounding: str):
+    """The same gradient reduce-scattered EF_CALLS times: the mean of the outputs."""
+    from qcomm.collectives import reduce_scatter_tensor
+
+    g = torch.Generator().manual_seed(rank)
+    inp = torch.randn(world * 4096, generator=g) * torch.linspace(0.01, 1, world * 4096)
+    out = torch.empty(4096)
+    comm = qcomm.fsdp.ErrorFeedbackReduceScatter()
+    total = torch.zeros(4096)
+    for _ in range(EF_CALLS):
+        if feedback:
+            comm(out, inp, dist.group.WORLD, op=dist.ReduceOp.AVG)
+        else:
+            reduce_scatter_tensor(out, inp, dist.ReduceOp.AVG)
+        total += out
+    exact = torch.empty(4096)
+    dist.reduce_scatter_tensor(exact, inp.clone(), dist.ReduceOp.SUM)  # gloo: exact
+    return {"mean": total / EF_CALLS, "exact": exact / world,
+            "state": comm.state_nbytes(), "inp": inp}
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_error_feedback_cancels_gradient_quantization_error(rounding):
+    env = {"QCOMM_RS_BITS": "2", "QCOMM_RS_ROUNDING": rounding}
+    plain = run_ranks(_repeat_reduce_scatter, 2, False, rounding, backend="gloo", env=env)
+    fed = run_ranks(_repeat_reduce_scatter, 2, True, rounding, backend="gloo", env=env)
+    for rank in range(2):
+        assert torch.equal(fed[rank]["exact"], plain[rank]["exact"])
+        e_plain = _rel(plain[rank]["mean"], plain[rank]["exact"])
+        e_fed = _rel(fed[rank]["mean"], fed[rank]["exact"])
+        print(f"{rounding} rank {rank}: mean of {EF_CALLS} 2-bit reduce-scatters, relative "
+              f"error {e_plain:.4f} plain, {e_fed:.4f} with error feedback")
+        # nearest: the plain error repeats every call; stochastic: it averages down as
+        # 1/sqrt(K). With feedback, the sum of K outputs is off by one residual: 1/K.
+        assert e_fed < e_plain / (8 if rounding == "nearest" else 2.5), (e_plain, e_fed)
+        assert fed[rank]["state"] == 4 * 2 * 4096  # the unsharded size, fp32
+        assert torch.equal(fed[rank]["inp"], plain[rank]["inp"])  # inputs never written
+
+
+def _train_stateful(rank, world):
+    model, opt = _sharded()
+    qcomm.fsdp.quantize_weight_deltas(model)
+    comms = qcomm.fsdp.feed_back_gradient_errors(model)
+    losses = [_step(model, opt, rank, step) for step in range(STEPS)]
+    return {"losses": losses, "seen": _gathered(model),
+            "state": sum(c.state_nbytes() for c in comms),
+            "rs": qcomm.stats(dist.group.WORLD)["reduce_scatter"].calls_compressed}
+
+
+def test_fsdp2_trains_with_deltas_and_error_feedback():
+    env = {**W4, "QCOMM_RS_BITS": "4"}
+    out = run_ranks(_train_stateful, 2, backend="gloo", env=env, timeout=240)
+    assert torch.equal(out[0]["seen"], out[1]["seen"])
+    assert out[0]["rs"] >= STEPS and out[0]["state"] > 0
+    assert out[0]["losses"][-1] < out[0]["losses"][0], out[0]["losses"]
