@@ -511,7 +511,10 @@ def packed_reduce_scatter(inner, chunks: list[torch.Tensor], rank: int, q: Quant
         quantize(fed.to(dtype), q, seed=seeds[j], out=send[j])
         sent = state.buffers.get("rs_sent", n, torch.float32, device).zero_()
         dequantize(Packed(send[j], n, dtype, q), out=sent, accumulate=True, check=False)
-        fed.sub_(sent)
+        # A non-finite gradient is sent as it is (its bucket decodes NaN: GradScaler
+        # sees the overflow and skips the step) but not owed: an inf kept in the
+        # residual would poison every later step of this chunk.
+        fed.sub_(sent).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     if agreement is not None:
         agreement.finish()
     _wait(inner_all_to_all(inner, recv, send.view(-1)), kind,

@@ -119,7 +119,10 @@ class DeltaAllGather(_PerModule, _AllGatherBase):
                                           None, call, inp.device)
             nb = C.packed_all_gather(inner, slots, delta, q, state, seed, agreement,
                                      accumulate=True)
-        out.copy_(ref)
+        out.copy_(ref)  # non-finite weights arrive non-finite (their buckets decode NaN)...
+        ref.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # ...but are not remembered:
+        # those entries restart from zero, the same on every rank (ref is identical), so
+        # weights repaired after a bad step (a reloaded checkpoint) come back next gather
         state.stats.record("all_gather", compressed=True,
                            logical=C._peer_bytes(world, n * inp.element_size()),
                            wire=C._peer_bytes(world, nb))

@@ -223,3 +223,45 @@ def test_fsdp2_trains_with_deltas_and_error_feedback():
     assert torch.equal(out[0]["seen"], out[1]["seen"])
     assert out[0]["rs"] >= STEPS and out[0]["state"] > 0
     assert out[0]["losses"][-1] < out[0]["losses"][0], out[0]["losses"]
+
+
+# ------------------------------------------------------------------ non-finite values
+
+
+def _poison_once(rank, world, what: str):
+    """One call with an inf in rank 0's input, then clean calls: what comes out."""
+    g = torch.Generator().manual_seed(rank)
+    n = 4096
+    finite = []
+    if what == "gather":
+        comm = qcomm.fsdp.DeltaAllGather()
+        for call in range(4):
+            out = torch.empty(world * n)
+            inp = out[rank * n:(rank + 1) * n]
+            inp.copy_(torch.randn(n, generator=g))
+            if call == 1 and rank == 0:
+                inp[7] = float("inf")
+            comm(out, inp, dist.group.WORLD)
+            finite.append([torch.isfinite(c).all().item() for c in out.chunk(world)])
+    else:
+        comm = qcomm.fsdp.ErrorFeedbackReduceScatter()
+        for call in range(4):
+            inp = torch.randn(world * n, generator=g)
+            if call == 1 and rank == 0:
+                inp[n + 7] = float("inf")  # rank 0's contribution to rank 1's chunk
+            out = torch.empty(n)
+            comm(out, inp, dist.group.WORLD, op=dist.ReduceOp.SUM)
+            finite.append(torch.isfinite(out).all().item())
+    return finite
+
+
+def test_deltas_recover_after_non_finite_weights():
+    out = run_ranks(_poison_once, 2, "gather", backend="gloo", env=W4)
+    for rank in range(2):  # rank 0's shard is non-finite on call 1 only, on every rank
+        assert out[rank] == [[True, True], [False, True], [True, True], [True, True]], out
+
+
+def test_error_feedback_recovers_after_non_finite_gradients():
+    out = run_ranks(_poison_once, 2, "scatter", backend="gloo", env={"QCOMM_RS_BITS": "4"})
+    assert out[1] == [True, False, True, True], out  # GradScaler sees the overflow once
+    assert out[0] == [True, True, True, True], out
