@@ -159,8 +159,8 @@ def parse_variant(name: str) -> dict:
     """``fp32`` or ``wAgB[-option...]`` -> the QCOMM_* environment of that run.
 
     Options: a scheme (``nuq``, ``maxnorm``, ``minmax``) for both collectives;
-    ``wn`` weights (all-gather) rounded to nearest; ``wbN`` weight bucket size N;
-    ``gbN`` gradient bucket size N; ``wd`` weights sent as differences
+    ``wn`` / ``gn`` weights (all-gather) / gradients (reduce-scatter) rounded to
+    nearest; ``wbN`` / ``gbN`` their bucket size N; ``wd`` weights sent as differences
     (:func:`qcomm.fsdp.quantize_weight_deltas`) and ``ge`` gradients with error feedback
     (:func:`qcomm.fsdp.feed_back_gradient_errors`): these two the worker reads from the
     name (:data:`STATEFUL`), not from the environment.
@@ -169,7 +169,7 @@ def parse_variant(name: str) -> dict:
         return {"QCOMM_AG_BITS": "off", "QCOMM_RS_BITS": "off", "QCOMM_AR_BITS": "off"}
     head, *options = name.split("-")
     if not (head.startswith("w") and head.count("g") == 1):
-        raise ValueError(f"bad variant {name!r}: use fp32 or wAgB[-nuq|-maxnorm|-wn|-wbN]")
+        raise ValueError(f"bad variant {name!r}: use fp32 or wAgB[-option...]")
     wbits, gbits = head[1:].split("g")
     env = {"QCOMM_AG_BITS": wbits, "QCOMM_RS_BITS": gbits, "QCOMM_AR_BITS": gbits}
     for var, value in (("QCOMM_AG_BITS", wbits), ("QCOMM_RS_BITS", gbits)):
@@ -178,15 +178,15 @@ def parse_variant(name: str) -> dict:
     for opt in options:
         if opt in ("nuq", "maxnorm", "minmax"):
             env["QCOMM_SCHEME"] = opt
-        elif opt == "wn":
-            env["QCOMM_AG_ROUNDING"] = "nearest"
+        elif opt in ("wn", "gn"):
+            env[{"wn": "QCOMM_AG_ROUNDING", "gn": "QCOMM_RS_ROUNDING"}[opt]] = "nearest"
         elif opt.startswith("wb") and opt[2:].isdigit():
             env["QCOMM_AG_BUCKET"] = opt[2:]
         elif opt.startswith("gb") and opt[2:].isdigit():
             env["QCOMM_RS_BUCKET"] = opt[2:]
         elif opt not in STATEFUL:
             raise ValueError(f"bad variant {name!r}: option {opt!r} "
-                             "(nuq, maxnorm, wn, wbN, gbN, wd, ge)")
+                             "(nuq, maxnorm, wn, gn, wbN, gbN, wd, ge)")
     return env
 
 
@@ -405,7 +405,7 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--variants", type=common.arg(lambda s: [v for v in s.split(",") if v and
                                                            parse_variant(v) is not None]),
                    default=["fp32", "w8g8", "w4g8", "w4g4", "w4g4-nuq", "w4g4-wn-wb128"],
-                   help="fp32 first (the baseline); wAgB[-nuq|-maxnorm|-wn|-wbN|-gbN|-wd|-ge]")
+                   help="fp32 first (the baseline); wAgB[-nuq|-maxnorm|-wn|-gn|-wbN|-gbN|-wd|-ge]")
     p.add_argument("--seeds", type=common.arg(parse_ints), default=[0],
                    help="data-order seeds (comma list); each variant runs every seed")
     p.add_argument("--steps", type=int, default=300)

@@ -14,7 +14,8 @@ def test_variant_parsing():
     env = train.parse_variant("w4g8-nuq")
     assert (env["QCOMM_AG_BITS"], env["QCOMM_RS_BITS"], env["QCOMM_SCHEME"]) == ("4", "8", "nuq")
     assert train.parse_variant("w4g4-wd-ge") == train.parse_variant("w4g4")  # no env
-    assert train.parse_variant("w4g4-gb128")["QCOMM_RS_BUCKET"] == "128"
+    env = train.parse_variant("w4g4-gb128-gn")
+    assert (env["QCOMM_RS_BUCKET"], env["QCOMM_RS_ROUNDING"]) == ("128", "nearest")
     env = train.parse_variant("w4g4-wn-wb128")
     assert (env["QCOMM_AG_ROUNDING"], env["QCOMM_AG_BUCKET"]) == ("nearest", "128")
     for bad in ("w9g8", "w4", "x4g4", "w4g4-qsgd", "w0g8", "w4g4-wbx"):
