@@ -14,6 +14,10 @@ Variants (``--variants``): ``fp32`` (all collectives exact through the inner glo
 baseline) and ``wAgB[-nuq|-maxnorm]``: A-bit weights (all-gather) and B-bit gradients
 (reduce-scatter), e.g. ``w8g8``, ``w4g8``, ``w4g4-nuq``.
 
+Ranks: started here (``--world``, loopback or ``--link``), or torchrun's (``torchrun
+--nproc-per-node 2 -m bench train``: every run in those processes, one process group
+after another, over the real network; rank 0 prints and writes the results).
+
 Per run: held-out loss every ``--eval-every`` steps, median step time, tokens/s, bytes
 on the wire per step (``qcomm.stats``), and the share of the step spent communicating,
 ``1 - T_compute / T_step``, where ``T_compute`` is the same step (forward, backward,
@@ -209,7 +213,9 @@ def _time_local_step(cfg: GPTConfig, batch: int, reps: int) -> float:
     return statistics.median(times[1:])
 
 
-def worker(spec: dict) -> None:
+def worker(spec: dict) -> dict:
+    """One run on this rank (a process group of its own, from the QCOMM_* environment);
+    returns its row, also written to ``spec["result"]`` by rank 0 when given."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -286,13 +292,35 @@ def worker(spec: dict) -> None:
            "tokens_per_s": world * B * T / t_step, "compute_s": t_compute,
            "comm_share": max(0.0, 1 - t_compute / t_step), "wire_bytes_per_step": wire,
            "logical_bytes_per_step": logical, "link": spec["link"]}
-    if rank == 0:
+    if rank == 0 and spec.get("result"):
         Path(spec["result"]).write_text(json.dumps(row))
     dist.barrier()
     dist.destroy_process_group()
+    return row
 
 
 # --------------------------------------------------------------------------- driver
+
+
+def under_torchrun() -> bool:
+    """Whether this process is one of torchrun's ranks (then every run happens here,
+    over torchrun's rendezvous and the real network, one process group per run)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
+@contextlib.contextmanager
+def _environ(changes: dict):
+    """``os.environ`` with ``changes`` for the block, then exactly as before."""
+    before = {k: os.environ.get(k) for k in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run_variant(args, name: str, seed: int, link) -> dict:
@@ -303,6 +331,10 @@ def run_variant(args, name: str, seed: int, link) -> dict:
                 "eval_every": args.eval_every, "eval_windows": args.eval_windows,
                 "op_timeout": args.op_timeout, "link": args.link_name,
                 "limit_bytes": args.limit_bytes, "result": str(Path(tmp) / "row.json")}
+        if under_torchrun():
+            spec["result"] = None
+            with _environ(dict(parse_variant(name), QCOMM_SEED=str(seed))):
+                return worker(spec)
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(spec))
         env = dict(parse_variant(name), QCOMM_SEED=str(seed),
@@ -433,6 +465,22 @@ def main(args) -> int:
     args.model = GPTConfig(args.layers, args.width, args.heads, args.seq)
     parsed = parse_rate(args.link)
     args.link_name = parsed[0] if parsed else "loopback"
+    lead = True  # the process that prints and writes the results
+    if under_torchrun():
+        if parsed:
+            print("python -m bench train: under torchrun the link is the real network "
+                  "between torchrun's ranks; drop --link", file=sys.stderr)
+            return 2
+        args.world, args.link_name = int(os.environ["WORLD_SIZE"]), "torchrun"
+        lead = os.environ["RANK"] == "0"
+    with contextlib.ExitStack() as stack:
+        if not lead:  # the other ranks run the same steps silently
+            stack.enter_context(contextlib.redirect_stdout(
+                stack.enter_context(open(os.devnull, "w"))))
+        return _main(args, parsed, lead)
+
+
+def _main(args, parsed, lead: bool) -> int:
     header = common.run_header("train", device="cpu (gloo)", link=args.link_name,
                                command=args.command)
     header["train"] = {"model": asdict(args.model), "batch": args.batch, "steps": args.steps,
@@ -453,6 +501,8 @@ def main(args) -> int:
     except LinkError as err:
         print(f"python -m bench train: {err}", file=sys.stderr)
         return 2
+    if not lead:
+        return 0
     summary, lines = summarize(rows)
     folder = common.results_dir(args.out, header)
     stem = f"train-{args.link_name}"

@@ -279,10 +279,15 @@ def _check_agreement(store, rank: int, size: int, config: CommConfig) -> None:
     kind, op, call index) before its payloads move; received payload headers are
     checked as well."""
     mine = repr(config)
-    store.set(f"qcomm/config/{rank}", mine)
+    # A store outlives its groups (torchrun's agent store; init_process_group after
+    # destroy_process_group reuses the group name): each rank counts the groups it made
+    # on this store, and ranks compare under that count. Unnumbered, a rank could read a
+    # peer's config from the previous group (a false mismatch, or a false match).
+    made = store.add(f"qcomm/made/{rank}", 1)
+    store.set(f"qcomm/config/{made}/{rank}", mine)
     peers = range(1, size) if rank == 0 else (0,)
     for peer in peers:
-        theirs = store.get(f"qcomm/config/{peer}").decode()
+        theirs = store.get(f"qcomm/config/{made}/{peer}").decode()
         if theirs != mine:
             raise ValueError(
                 f"qcomm config differs between ranks: rank {rank} has {mine}, rank {peer} "

@@ -10,6 +10,7 @@ quantized contributions' steps, and an all-reduce adds one step of the reduced c
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -252,25 +253,45 @@ def test_async_seeds_validation_mismatch():
     run_ranks(_misc_body, 2, backend="gloo")
 
 
-def test_config_agreement_checked_through_store():
+def _agree_in_threads(store, cfg0, cfg1, *, late0: bool = False) -> dict:
+    """Ranks 0 and 1 check their configs through ``store`` (rank 0 0.3 s late when
+    ``late0``); returns {rank: error message} of the ranks that raised."""
     from qcomm.process_group import _check_agreement
 
-    store = dist.HashStore()
     errors = {}
 
     def run(rank, cfg):
+        if rank == 0 and late0:
+            time.sleep(0.3)
         try:
             _check_agreement(store, rank, 2, cfg)
         except ValueError as err:
             errors[rank] = str(err)
 
-    threads = [threading.Thread(target=run, args=(0, CommConfig())),
-               threading.Thread(target=run, args=(1, CommConfig(min_numel=7)))]
+    threads = [threading.Thread(target=run, args=(0, cfg0)),
+               threading.Thread(target=run, args=(1, cfg1))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=30)
+    return errors
+
+
+def test_config_agreement_checked_through_store():
+    errors = _agree_in_threads(dist.HashStore(), CommConfig(), CommConfig(min_numel=7))
     assert set(errors) == {0, 1} and "min_numel=7" in errors[0]
+
+
+def test_config_agreement_ignores_earlier_groups_on_the_same_store():
+    """Groups made one after another on one store (torchrun's agent store, re-init after
+    destroy) never compare against a peer's config from an earlier group."""
+    store = dist.HashStore()
+    a, b = CommConfig(), CommConfig(min_numel=7)
+    # (rank 0's config, rank 1's, which ranks must fail); rank 0 comes late each time,
+    # so rank 1 would find its previous key if keys were not numbered per group
+    for cfg0, cfg1, failing in [(a, a, set()), (b, b, set()), (a, b, {0, 1})]:
+        errors = _agree_in_threads(store, cfg0, cfg1, late0=True)
+        assert set(errors) == failing, (cfg0, cfg1, errors)
 
 
 @pytest.mark.parametrize("var,value", [("QCOMM_AG_BITS", "9"), ("QCOMM_INNER", "mpi"),

@@ -50,3 +50,30 @@ def test_train_two_steps_two_ranks(tmp_path, monkeypatch):
     # and the quantized run really sent fewer bytes.
     assert abs(quant["curve"][0][1] - fp32["curve"][0][1]) < 0.05
     assert quant["wire_bytes_per_step"] < fp32["wire_bytes_per_step"] / 4
+
+
+def test_train_under_torchrun(tmp_path):
+    """``torchrun --nproc-per-node 2 -m bench train``: every run in torchrun's own ranks,
+    one process group after another on torchrun's store (each a different config)."""
+    import os
+    import subprocess
+    import sys
+
+    from bench import common
+
+    env = {**os.environ, "QCOMM_COMPILE": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(common.ROOT),
+                                                       os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "-m", "bench", "train", "--steps", "2", "--eval-every", "1", "--variants",
+           "fp32,w4g4-nuq-wd,w8g8", "--layers", "1", "--width", "32", "--heads", "2",
+           "--seq", "16", "--batch", "2", "--eval-windows", "4", "--limit-bytes", "100000",
+           "--out", str(tmp_path), "--no-plot"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("# qcomm bench train") == 1  # rank 0 alone reports
+    runs = json.loads((tmp_path / "train-torchrun-runs.json").read_text())["runs"]
+    assert [r["variant"] for r in runs] == ["fp32", "w4g4-nuq-wd", "w8g8"]
+    assert all(r["link"] == "torchrun" for r in runs)
+    assert runs[1]["wire_bytes_per_step"] < runs[0]["wire_bytes_per_step"] / 4
