@@ -410,18 +410,23 @@ def plot(folder: Path, stem: str, rows: list[dict], summary: list[dict]) -> Path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for r in rows:
-        steps, evals = [c[0] for c in r["curve"]], [c[1] for c in r["curve"]]
-        a.plot(steps, evals, label=f"{r['variant']} s{r['data_seed']}", linewidth=1)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 5))
+    colors = plt.get_cmap("tab20").colors
+    for i, s in enumerate(summary):  # one line per variant: the mean over its seeds
+        runs = [r for r in rows if r["variant"] == s["variant"]]
+        steps = [c[0] for c in runs[0]["curve"]]
+        mean = [statistics.fmean(r["curve"][k][1] for r in runs) for k in range(len(steps))]
+        a.plot(steps, mean, linewidth=1.2, color=colors[i % len(colors)],
+               linestyle="-" if i < len(colors) else "--",
+               label=f"{s['variant']} (n={len(runs)})")
     a.set_xlabel("step")
-    a.set_ylabel("held-out loss (nats/byte)")
+    a.set_ylabel("held-out loss (nats/byte), mean over seeds")
     a.grid(True, alpha=0.3)
-    a.legend(fontsize=6, ncol=2)
+    a.legend(fontsize=7)
     names = [s["variant"] for s in summary]
     b.bar(names, [s["step_s"] for s in summary])
     b.set_ylabel("median step time (s)")
-    b.tick_params(axis="x", rotation=30)
+    b.set_xticks(range(len(names)), names, rotation=40, ha="right", fontsize=8)
     fig.tight_layout()
     path = folder / f"{stem}.png"
     fig.savefig(path, dpi=110)
@@ -518,5 +523,15 @@ def _main(args, parsed, lead: bool) -> int:
     return 0
 
 
+def replot(runs_json: str) -> Path | None:
+    """Redraw ``<stem>.png`` beside a ``<stem>-runs.json`` (e.g. after ``--add-to`` runs
+    made with ``--no-plot``): ``python -m bench.train --replot RUNS_JSON``."""
+    path = Path(runs_json)
+    rows = json.loads(path.read_text())["runs"]
+    return plot(path.parent, path.name.removesuffix("-runs.json"), rows, summarize(rows)[0])
+
+
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
     worker(json.loads(Path(sys.argv[2]).read_text()))
+elif __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--replot":
+    print(f"# wrote {replot(sys.argv[2])}", file=sys.stderr)
