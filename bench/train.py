@@ -222,7 +222,13 @@ def worker(spec: dict) -> dict:
     import qcomm
 
     pin_this_rank()
-    dist.init_process_group("qcomm", timeout=datetime.timedelta(seconds=spec["op_timeout"]))
+    timeout = datetime.timedelta(seconds=spec["op_timeout"])
+    if spec.get("torchrun_run") is None:
+        dist.init_process_group("qcomm", timeout=timeout)
+    else:
+        dist.init_process_group("qcomm", timeout=timeout, store=_torchrun_store(
+            spec["torchrun_run"], timeout), rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(**spec["model"])
     train, held = load_corpus(limit_bytes=spec.get("limit_bytes"))
@@ -302,6 +308,25 @@ def worker(spec: dict) -> dict:
 # --------------------------------------------------------------------------- driver
 
 
+_TORCHRUN_STORE = []  # this process's client of torchrun's store, made once
+
+
+def _torchrun_store(run: int, timeout):
+    """Run ``run``'s own view of torchrun's store. Every run inits and destroys the
+    default group in the same processes, and torch names the default group the same each
+    time: on one shared store, gloo's rendezvous keys of an earlier run would be read by
+    a later one (seen: a run hung connecting to the previous run's closed sockets)."""
+    import torch.distributed as dist
+
+    if not _TORCHRUN_STORE:
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        _TORCHRUN_STORE.append(dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+            int(os.environ["WORLD_SIZE"]),
+            is_master=not agent and os.environ["RANK"] == "0", timeout=timeout))
+    return dist.PrefixStore(f"qcomm-bench-train/{run}", _TORCHRUN_STORE[0])
+
+
 def under_torchrun() -> bool:
     """Whether this process is one of torchrun's ranks (then every run happens here,
     over torchrun's rendezvous and the real network, one process group per run)."""
@@ -332,7 +357,8 @@ def run_variant(args, name: str, seed: int, link) -> dict:
                 "op_timeout": args.op_timeout, "link": args.link_name,
                 "limit_bytes": args.limit_bytes, "result": str(Path(tmp) / "row.json")}
         if under_torchrun():
-            spec["result"] = None
+            spec["result"], spec["torchrun_run"] = None, args.runs_started
+            args.runs_started += 1
             with _environ(dict(parse_variant(name), QCOMM_SEED=str(seed))):
                 return worker(spec)
         spec_path = Path(tmp) / "spec.json"
@@ -471,6 +497,7 @@ def main(args) -> int:
     parsed = parse_rate(args.link)
     args.link_name = parsed[0] if parsed else "loopback"
     lead = True  # the process that prints and writes the results
+    args.runs_started = 0
     if under_torchrun():
         if parsed:
             print("python -m bench train: under torchrun the link is the real network "

@@ -69,7 +69,7 @@ def test_train_under_torchrun(tmp_path):
            "fp32,w4g4-nuq-wd,w8g8", "--layers", "1", "--width", "32", "--heads", "2",
            "--seq", "16", "--batch", "2", "--eval-windows", "4", "--limit-bytes", "100000",
            "--out", str(tmp_path), "--no-plot"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.count("# qcomm bench train") == 1  # rank 0 alone reports
