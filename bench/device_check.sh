@@ -55,10 +55,11 @@ fi
 
 log "phase 1: kernels on CUDA vs reference; CPU suite on this torch (parallel)"
 ( timeout 170 $PY -m pytest -q --maxfail=10 -n 8 -p no:cacheprovider tests/test_kernels.py \
+    "tests/test_weight_deltas.py::test_stateful_collectives_same_bits_on_cuda_and_cpu" \
     > "$R/test_kernels_cuda.log" 2>&1; echo "exit $?" >> "$R/test_kernels_cuda.log" ) &
 ( CUDA_VISIBLE_DEVICES= timeout 170 $PY -m pytest -q -n 6 -p no:cacheprovider \
     tests/test_config.py tests/test_codec.py tests/test_collectives.py \
-    tests/test_process_group.py tests/test_fsdp.py \
+    tests/test_process_group.py tests/test_fsdp.py tests/test_weight_deltas.py tests/test_train.py \
     > "$R/test_cpu_suite_local_torch.log" 2>&1; echo "exit $?" >> "$R/test_cpu_suite_local_torch.log" ) &
 wait
 tail -n 4 "$R/test_kernels_cuda.log" "$R/test_cpu_suite_local_torch.log"

@@ -265,3 +265,36 @@ def test_error_feedback_recovers_after_non_finite_gradients():
     out = run_ranks(_poison_once, 2, "scatter", backend="gloo", env={"QCOMM_RS_BITS": "4"})
     assert out[1] == [True, False, True, True], out  # GradScaler sees the overflow once
     assert out[0] == [True, True, True, True], out
+
+
+# ------------------------------------------------------------------ CUDA (GPU machines)
+
+
+def _stateful_on(rank, world, device: str):
+    """Three delta gathers and three error-feedback reduce-scatters on ``device``."""
+    g = torch.Generator().manual_seed(rank)
+    n = 3000  # not a multiple of the bucket: the tail bucket too
+    gather, scatter = qcomm.fsdp.DeltaAllGather(), qcomm.fsdp.ErrorFeedbackReduceScatter()
+    outs = []
+    for _ in range(3):
+        full = torch.empty(world * n, device=device)
+        shard = full[rank * n:(rank + 1) * n]
+        shard.copy_(torch.randn(n, generator=g))
+        gather(full, shard, dist.group.WORLD)
+        grad = torch.randn(world * n, generator=g).to(device)
+        reduced = torch.empty(n, device=device)
+        scatter(reduced, grad, dist.group.WORLD, op=dist.ReduceOp.AVG)
+        outs += [full.cpu(), reduced.cpu()]
+    return outs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench/device_check.sh)")
+def test_stateful_collectives_same_bits_on_cuda_and_cpu():
+    """Triton kernels on CUDA tensors and the torch path on CPU tensors give the same
+    bytes, so the reconstruction and the residuals (state kept across calls) agree."""
+    env = {"QCOMM_AG_BITS": "4", "QCOMM_RS_BITS": "4"}
+    cpu = run_ranks(_stateful_on, 2, "cpu", backend="gloo", env=env)
+    gpu = run_ranks(_stateful_on, 2, "cuda", backend="gloo", env=env)
+    for rank in range(2):
+        for k, (a, b) in enumerate(zip(cpu[rank], gpu[rank], strict=True)):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (rank, k)
