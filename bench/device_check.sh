@@ -6,8 +6,9 @@
 #
 # Phases, each under its own time limit so one slow phase cannot lose the others:
 #   1. the Triton kernels on CUDA == the eager torch reference on CPU, byte for byte
-#      (tests/test_kernels.py), and, at the same time, the CPU suite on this machine's
-#      torch (not the CI's version) with CUDA hidden;
+#      (tests/test_kernels.py; qcomm.fsdp's stateful collectives likewise), and, at the
+#      same time, the CPU suite on this machine's torch (not the CI's version) with CUDA
+#      hidden;
 #   2. the "qcomm" backend on CUDA tensors == on CPU tensors, bit for bit (bench.crossdevice);
 #   3. codec throughput: Triton and torch.compile of the reference next to a same-run copy
 #      (fp32, every scheme, 2/4/8 bits), then Triton alone for bf16/fp16;
