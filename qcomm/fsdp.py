@@ -20,9 +20,13 @@ instead of 9.8% at 4 bits). ``ref`` starts at zero, so the first gather is a pla
 quantized gather and each later one refines it (FSDP2 gathers every module in forward
 and again in backward; the backward gather sends the forward one's residual). Every
 call has the same size on the wire, so ranks never disagree on what a call sends.
+Measured (README, 1200 steps, 3 paired seeds): W4G4 +0.36% held-out loss against fp32
+communication with differences, +2.84% without; 2-bit differences -0.07%.
 
 :class:`ErrorFeedbackReduceScatter` does the same for gradients: each rank adds what
-its previous quantized send of a chunk left out to the chunk it sends next.
+its previous quantized send of a chunk left out to the chunk it sends next. Measured,
+it made stochastically rounded 4-bit gradients *worse* under AdamW (+1.44% against
++0.36%): unbiased rounding needs no feedback. Use it with ``rounding="nearest"``.
 
 Cost: one fp32 buffer of the module's unsharded size on every rank, per class (FSDP2
 frees the unsharded parameters after use; these stay). Use them where the bytes on the
@@ -133,7 +137,9 @@ class ErrorFeedbackReduceScatter(_PerModule, _ReduceScatterBase):
     """FSDP2 reduce-scatter with error feedback: each rank adds what its last quantized
     send of a chunk left out to the chunk it sends now (Seide et al. 2014; Karimireddy
     et al. 2019), so gradient quantization errors cancel over steps instead of adding
-    up. State: the peer chunks' residuals, fp32, the module's unsharded size.
+    up. State: the peer chunks' residuals, fp32, the module's unsharded size. Meant
+    for biased (round-to-nearest) gradients; see the module docstring for why not with
+    stochastic rounding.
 
     ``config``: the gradients' QuantConfig (default: the group's reduce-scatter one).
     """
