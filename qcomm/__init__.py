@@ -2,6 +2,7 @@
 
 ``import qcomm`` registers the ``"qcomm"`` torch.distributed backend; the codec
 (:func:`quantize`, :func:`dequantize`, :func:`packed_nbytes`) works on its own.
+``import qcomm.fsdp`` adds FSDP2's per-module weight differences and error feedback.
 """
 
 __version__ = "0.1.0"
