@@ -26,7 +26,8 @@ communication with differences, +2.84% without; 2-bit differences -0.07%.
 :class:`ErrorFeedbackReduceScatter` does the same for gradients: each rank adds what
 its previous quantized send of a chunk left out to the chunk it sends next. Measured,
 it made stochastically rounded 4-bit gradients *worse* under AdamW (+1.44% against
-+0.36%): unbiased rounding needs no feedback. Use it with ``rounding="nearest"``.
++0.36%): unbiased rounding needs no feedback. With ``rounding="nearest"`` it was +0.66%
+(within noise), no better than stochastic rounding alone.
 
 Cost: one fp32 buffer of the module's unsharded size on every rank, per class (FSDP2
 frees the unsharded parameters after use; these stay). Use them where the bytes on the
@@ -138,8 +139,8 @@ class ErrorFeedbackReduceScatter(_PerModule, _ReduceScatterBase):
     send of a chunk left out to the chunk it sends now (Seide et al. 2014; Karimireddy
     et al. 2019), so gradient quantization errors cancel over steps instead of adding
     up. State: the peer chunks' residuals, fp32, the module's unsharded size. Meant
-    for biased (round-to-nearest) gradients; see the module docstring for why not with
-    stochastic rounding.
+    for biased (round-to-nearest) gradients; see the module docstring for what it
+    measured in training.
 
     ``config``: the gradients' QuantConfig (default: the group's reduce-scatter one).
     """
