@@ -117,30 +117,44 @@ _compile_lock = threading.Lock()
 
 @functools.cache
 def _compiled(fn, **static):
-    # One compiled graph per static key (scheme, bits, ...), dynamic in the size: a
-    # flat FSDP shard changes length per parameter group, and recompiling per size
-    # would cost seconds per call. The lock keeps two threads from compiling at once.
+    # One compiled graph per static key (scheme, bits, bucket size, ...) and per dtype of
+    # the tensors passed, dynamic in the first dimension (length or bucket count): a flat
+    # FSDP shard changes length per parameter group, and recompiling per size would cost
+    # seconds per call. The lock keeps two threads from compiling at once.
     # Dynamo caches compiled graphs on the code object it runs, at most 8 per code object
     # (recompile_limit) before it silently falls back to eager, and a partial would be
     # run through one shared wrapper: a group with three collectives, two dtypes and two
     # ops would pass that. A copy of the function with its own code object, the static
-    # key baked in as keyword defaults, gives every configuration its own cache.
-    fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
-                               fn.__defaults__, fn.__closure__)
-    fresh.__kwdefaults__ = {**(fn.__kwdefaults__ or {}), **static}
-    # Only the tensors' lengths are dynamic: dynamic=True would make the baked-in ints
-    # (bits, bucket size) symbolic too, and loops of symbolic length over a bucket
-    # vectorize badly (a max over [2^14, 1024]: 5 GB/s against 15 static).
-    compiled = torch.compile(fresh, dynamic=False)
+    # key baked in as keyword defaults, gives every configuration and dtype its own cache.
+    by_dtypes = {}
+
+    def compile_for(dtypes):
+        fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                                   fn.__defaults__, fn.__closure__)
+        fresh.__kwdefaults__ = {**(fn.__kwdefaults__ or {}), **static}
+        # Only the first dimension is dynamic: dynamic=True would make the baked-in ints
+        # (bits, bucket size) symbolic too, and loops of symbolic length over a bucket
+        # vectorize badly (a max over [2^14, 1024]: 5 GB/s against 15 static).
+        return torch.compile(fresh, dynamic=False)
 
     def run(*args, **kwargs):
-        for t in (*args, *kwargs.values()):
-            if isinstance(t, torch.Tensor) and t.dim() == 1:
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            if t.dim() >= 1:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
+        dtypes = tuple(t.dtype for t in tensors)
         with _compile_lock:
+            compiled = by_dtypes.get(dtypes)
+            if compiled is None:
+                compiled = by_dtypes[dtypes] = compile_for(dtypes)
             return compiled(*args, **kwargs)
 
     return run
+
+
+def _wrap(path: str):
+    """How :mod:`qcomm.reference` runs its pieces on this path: compiled or eagerly."""
+    return reference.eager if path == "eager" else _compiled
 
 
 def _check_config(config) -> QuantConfig:
@@ -208,14 +222,12 @@ def quantize(
         kq.quantize(flat, meta, codes, config, key)
         return packed
     sid = layout.effective_scheme_id(config.scheme, config.bits)
-    static = dict(bits=config.bits, bucket_size=config.bucket_size, scheme=config.scheme,
-                  l2=config.norm == "l2", stochastic=config.rounding == "stochastic")
     divisor = _divisor_tensor(sid, config.bits, str(x.device))
     key_t = torch.tensor(key, dtype=torch.int64, device=x.device)
-    fn = reference.quantize_reference if path == "eager" else _compiled(
-        reference.quantize_reference, **static)
-    fn(flat, key=key_t, divisor=divisor, meta_out=meta, codes_out=codes,
-       **(static if path == "eager" else {}))
+    reference.quantize_reference(
+        flat, bits=config.bits, bucket_size=config.bucket_size, scheme=config.scheme,
+        l2=config.norm == "l2", stochastic=config.rounding == "stochastic", key=key_t,
+        divisor=divisor, meta_out=meta, codes_out=codes, wrap=_wrap(path))
     return packed
 
 
@@ -297,13 +309,11 @@ def dequantize(
         def decode(into, acc):
             kd.dequantize(packed.meta(), packed.codes(), into, config, acc)
     else:
-        static = dict(bits=config.bits, bucket_size=config.bucket_size, scheme=config.scheme)
-        fn = reference.dequantize_reference if path == "eager" else _compiled(
-            reference.dequantize_reference, **static)
-        extra = static if path == "eager" else {}
-
         def decode(into, acc):
-            fn(packed.meta(), packed.codes(), into, accumulate=acc, **extra)
+            reference.dequantize_reference(
+                packed.meta(), packed.codes(), into, bits=config.bits,
+                bucket_size=config.bucket_size, scheme=config.scheme, accumulate=acc,
+                wrap=_wrap(path))
     if result.is_contiguous() and (accumulate or result.dtype in FLOAT_DTYPES):
         decode(result.view(-1), accumulate)
     else:  # non-contiguous out, or a dtype neither path stores: decode, then store

@@ -20,6 +20,8 @@ C++ and the Triton kernels compute the same bits:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .layout import MASK32, effective_scheme_id, levels, meta_words
@@ -111,6 +113,11 @@ def _round_codes(t: torch.Tensor, thr: torch.Tensor | float, top: int) -> torch.
     return torch.clamp(lo.to(torch.int32) + up, 0, top)
 
 
+def eager(fn, **static):
+    """The default ``wrap`` of the codec entry points: run ``fn`` as it is."""
+    return functools.partial(fn, **static)
+
+
 def quantize_reference(
     x: torch.Tensor,
     *,
@@ -123,10 +130,11 @@ def quantize_reference(
     divisor: torch.Tensor | None = None,
     meta_out: torch.Tensor | None = None,
     codes_out: torch.Tensor | None = None,
+    wrap=eager,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a 1-D float tensor; returns (meta fp32 [nb * words], codes uint8),
-    written into ``meta_out`` / ``codes_out`` when given (compiled, the graph then
-    stores straight into the payload: no temporaries, no copy).
+    """Quantize a float tensor (read flat); returns (meta fp32 [nb * words], codes uint8),
+    written into ``meta_out`` / ``codes_out`` when given (the payload's views: no
+    temporaries, no copy).
 
     ``meta`` per bucket: minmax ``[min, step]``; maxnorm ``[step]``; nuq ``[scale]``.
     ``codes``: ``ceil(n / 8) * bits`` bytes, each group of 8 consecutive codes one
@@ -137,19 +145,49 @@ def quantize_reference(
     :func:`divisor_for`) may be 0-d tensors: under ``torch.compile`` a Python number
     would be a constant, and Inductor turns ``x / constant`` into ``x * (1 / constant)``,
     which rounds differently from the Triton kernel's IEEE division.
+
+    The work is two calls, each through ``wrap(fn, **static)`` (the codec passes its
+    ``torch.compile`` cache): :func:`encode_buckets` on the full buckets as ``[nb, B]``
+    views, :func:`encode_tail` on the partial last bucket. Split here, outside the
+    compiled graphs, the graphs see 2-D tensors whose only dynamic size is the bucket
+    count, so Inductor indexes them without a division or modulo by a symbolic size
+    per vector (the flat graph's loops had several).
     """
     n = x.numel()
     B = bucket_size
     sid = effective_scheme_id(scheme, bits)
+    W = meta_words(sid)
     if divisor is None:
         divisor = torch.tensor(divisor_for(sid, bits), dtype=torch.float32, device=x.device)
-    xf = x.reshape(-1).to(torch.float32)
-    # Full buckets go through mask-free code; the last, partial bucket (< B elements) is
-    # padded and masked on its own. Masks over the whole tensor cost 6x: 13.7 GB/s
-    # without against 2.3 GB/s with (minmax 8 bits, 2^24 elements, 2 cores, Inductor).
+    if meta_out is None:
+        meta_out = torch.empty(-(-n // B) * W, dtype=torch.float32, device=x.device)
+        codes_out = torch.empty(-(-n // 8) * bits, dtype=torch.uint8, device=x.device)
+    flat = x.reshape(-1)
     full = n // B
-    kw = dict(bits=bits, sid=sid, l2=l2, stochastic=stochastic, key=key, divisor=divisor)
-    meta, codes = _quantize_buckets(xf[: full * B].view(full, B), 0, None, **kw)
+    nbytes = full * B * bits // 8  # bucket sizes are multiples of 8: whole bytes
+    static = dict(bits=bits, bucket_size=B, sid=sid, l2=l2, stochastic=stochastic)
+    if full:
+        wrap(encode_buckets, **static)(
+            flat[: full * B].view(full, B), meta_out[: full * W].view(full, W),
+            codes_out[:nbytes].view(full, B * bits // 8), key=key, divisor=divisor)
+    if full * B < n:
+        # The tail's first element index as a tensor: an int would be a constant of the
+        # compiled graph, one compile per tensor size.
+        start = torch.tensor(full * B, dtype=torch.int64, device=x.device)
+        wrap(encode_tail, **static)(
+            flat[full * B:], meta_out[full * W:], codes_out[nbytes:], start=start, key=key,
+            divisor=divisor)
+    return meta_out, codes_out
+
+
+def encode_buckets(x, meta_out, codes_out, *, key, divisor, bits, bucket_size, sid, l2,
+                   stochastic):
+    """Quantize full buckets ``x`` [nb, B] into ``meta_out`` [nb, W] and ``codes_out``
+    [nb, B * bits / 8] (element indices from 0). ``bucket_size`` (B) is not read: it keys
+    the codec's compile cache, as every static argument of these pieces does."""
+    meta, codes = _quantize_buckets(x.to(torch.float32), 0, None, bits=bits, sid=sid, l2=l2,
+                                    stochastic=stochastic, key=key, divisor=divisor)
+    meta_out.copy_(meta)
     codes = codes.to(torch.uint8)
     if bits < 8 or sid != 0:
         # Materialize the codes as bytes before packing (a graph break under
@@ -157,22 +195,26 @@ def quantize_reference(
         # codes from strided, gathered reads of x. Measured, 1 thread, 2^22 fp32:
         # 4-bit minmax quantize 1.3 -> 2.7 GB/s, nuq 4-bit 0.29 -> 2.2, maxnorm 8-bit
         # 0.32 -> 3.3; minmax 8-bit alone is faster fused (4.4 against 3.2 GB/s).
+        # (Packing by summing shifted codes into int32 words, fused, ran at 0.3-1 GB/s.)
         if torch.compiler.is_compiling():  # eager: never touch dynamo (it crashed gloo
             torch._dynamo.graph_break()     # ranks at exit: "terminate called ...")
-    meta, codes = meta.reshape(-1), pack_codes(codes.reshape(-1), bits)
-    if full * B < n:
-        rest = n - full * B
-        valid = torch.arange(B, device=x.device) < rest
-        tail = torch.nn.functional.pad(xf[full * B:], (0, B - rest)).view(1, B)
-        tmeta, tcodes = _quantize_buckets(tail, full * B, valid.view(1, B), **kw)
-        tcodes = tcodes.reshape(-1)[: -(-rest // 8) * 8]
-        meta = torch.cat([meta, tmeta.reshape(-1)])
-        codes = torch.cat([codes, pack_codes(tcodes, bits)])
-    if meta_out is not None:
-        meta_out.copy_(meta)
-        codes_out.copy_(codes)
-        return meta_out, codes_out
-    return meta, codes
+    codes_out.copy_(pack_codes(codes, bits))
+
+
+def encode_tail(x, meta_out, codes_out, *, start, key, divisor, bucket_size, bits, sid, l2,
+                stochastic):
+    """Quantize the partial last bucket ``x`` (1-D, < B elements, first index ``start``)
+    into ``meta_out`` [W] and ``codes_out`` [ceil(len / 8) * bits]: padded to a bucket
+    and masked, on its own (masks over the whole tensor cost 6x: 13.7 GB/s without
+    against 2.3 GB/s with, minmax 8 bits, 2^24 elements, 2 cores, Inductor)."""
+    B = bucket_size
+    rest = x.numel()
+    valid = (torch.arange(B, device=x.device) < rest).view(1, B)
+    padded = torch.nn.functional.pad(x.to(torch.float32), (0, B - rest)).view(1, B)
+    meta, codes = _quantize_buckets(padded, start, valid, bits=bits, sid=sid, l2=l2,
+                                    stochastic=stochastic, key=key, divisor=divisor)
+    meta_out.copy_(meta.reshape(-1))
+    codes_out.copy_(pack_codes(codes.reshape(-1)[: -(-rest // 8) * 8], bits))
 
 
 def _quantize_buckets(xp, start, valid, *, bits, sid, l2, stochastic, key, divisor):
@@ -255,35 +297,38 @@ def _byte_pieces(bits: int, m: int):
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 codes (length a multiple of 8) -> uint8, 8 codes per ``bits`` bytes.
+    """int32 codes [..., m] (m a multiple of 8) -> uint8 [..., m * bits / 8], 8 codes per
+    ``bits`` bytes along the last dimension.
 
     Group g's word ``w = sum_k codes[8g + k] << (k * bits)`` is stored little-endian in
     bytes ``[g * bits, (g + 1) * bits)``. Each byte is built from the codes that overlap
     it, so every code is computed once (bits dividing 8) or at most twice (3, 5, 6, 7
     bits): a reduction over the 8 codes of a group would run scalar under Inductor.
     """
+    lead = codes.shape[:-1]
     if bits == 8:
         return codes.to(torch.uint8)
     if 8 % bits == 0:
         per = 8 // bits
-        g = codes.view(-1, per)
-        byte = g[:, 0]
+        g = codes.view(*lead, -1, per)
+        byte = g[..., 0]
         for k in range(1, per):
-            byte = byte | (g[:, k] << (k * bits))
+            byte = byte | (g[..., k] << (k * bits))
         return byte.to(torch.uint8)
-    g = codes.view(-1, 8)
+    g = codes.view(*lead, -1, 8)
     out = []
     for m in range(bits):
         byte = None
         for k, shift in _byte_pieces(bits, m):
-            piece = (g[:, k] << shift) if shift >= 0 else (g[:, k] >> -shift)
+            piece = (g[..., k] << shift) if shift >= 0 else (g[..., k] >> -shift)
             byte = piece if byte is None else byte | piece
         out.append(byte & 0xFF)
-    return torch.stack(out, dim=1).to(torch.uint8).reshape(-1)
+    return torch.stack(out, dim=-1).to(torch.uint8).reshape(*lead, -1)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: uint8 -> int32 codes, 8 per ``bits`` bytes."""
+    """Inverse of :func:`pack_codes`: uint8 [..., m] -> int32 codes [..., m * 8 / bits]."""
+    lead = packed.shape[:-1]
     mask = (1 << bits) - 1
     if bits == 8:
         return packed.to(torch.int32)
@@ -292,8 +337,8 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
         # broadcast shift over [bytes, 8 / bits] made Inductor gather (~1 GB/s).
         wide = packed.to(torch.int32)
         planes = [(wide >> (s * bits)) & mask for s in range(8 // bits)]
-        return torch.stack(planes, dim=1).reshape(-1)
-    g = packed.view(-1, bits).to(torch.int32)
+        return torch.stack(planes, dim=-1).reshape(*lead, -1)
+    g = packed.view(*lead, -1, bits).to(torch.int32)
     out = []
     for k in range(8):
         code = None
@@ -301,10 +346,39 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
             shift = k * bits - 8 * m
             if not -bits < shift < 8:  # byte m holds none of code k
                 continue
-            piece = (g[:, m] >> shift) if shift >= 0 else (g[:, m] << -shift)
+            piece = (g[..., m] >> shift) if shift >= 0 else (g[..., m] << -shift)
             code = piece if code is None else code | piece
         out.append(code & mask)
-    return torch.stack(out, dim=1).reshape(-1)
+    return torch.stack(out, dim=-1).reshape(*lead, -1)
+
+
+def lane_group(bits: int, bucket_size: int) -> int | None:
+    """Codes per lane group of the word paths (:func:`unpack_words`): 16 (one AVX-512
+    vector of fp32; 2 and 4 bits) or 32 (1 bit: one int32 word); None where the word
+    paths do not apply (3, 5, 6, 7 and 8 bits, or buckets not a multiple of the group)."""
+    if bits not in (1, 2, 4):
+        return None
+    group = max(16, 32 // bits)
+    return group if bucket_size % group == 0 else None
+
+
+def unpack_words(packed: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """:func:`unpack_codes` for 1, 2 and 4 bits, as ``[n / group, group]``, read as int32
+    words: lane s of a group takes word ``s * bits // 32`` (a broadcast: one per group, or
+    a blend of two at 4 bits) shifted by ``s * bits % 32``. Every loop Inductor makes of
+    it runs along the lanes, 16 wide; the byte planes of :func:`unpack_codes` store with
+    a stride and stay scalar. Measured, 1 thread, 2^22 fp32 decoded (minmax): 2-6 GB/s
+    with the planes, 31-38 GB/s from words. ``packed`` holds whole groups and starts
+    4-byte aligned (the payload layout guarantees both for full buckets).
+    """
+    words_per_group = group * bits // 32
+    w = packed.view(torch.int32).view(-1, words_per_group)
+    s = torch.arange(group, dtype=torch.int32, device=packed.device)
+    word = w[:, words_per_group - 1:]
+    for j in range(words_per_group - 2, -1, -1):  # lanes of word j: s * bits < 32 (j + 1)
+        word = torch.where(s * bits < 32 * (j + 1), w[:, j:j + 1], word)
+    # Arithmetic shifts are fine: the mask drops the sign copies above bit 31 - shift.
+    return (word >> ((s * bits) % 32)) & ((1 << bits) - 1)
 
 
 def dequantize_reference(
@@ -316,40 +390,69 @@ def dequantize_reference(
     bucket_size: int,
     scheme: str,
     accumulate: bool = False,
+    wrap=eager,
 ) -> torch.Tensor:
-    """Decode into ``out`` (1-D, ``numel`` elements; cast to its dtype), or with
+    """Decode into ``out`` (contiguous, ``numel`` elements; cast to its dtype), or with
     ``accumulate`` add the fp32 decode into it; returns ``out``.
 
-    The size comes from ``out`` (a tensor dimension, dynamic under ``torch.compile``)
-    rather than an int argument, which would be specialized: a compile per size.
+    As :func:`quantize_reference`, two calls through ``wrap``: :func:`decode_buckets` on
+    the full buckets as ``[nb, B]`` views, :func:`decode_tail` on the partial last one.
     """
     n = out.numel()
     B = bucket_size
     sid = effective_scheme_id(scheme, bits)
     W = meta_words(sid)
-    k = unpack_codes(codes, bits)
+    flat = out.view(-1)
     full = n // B
-    # Full buckets without padding or masks; the partial last bucket on its own (as in
-    # quantize_reference: a pad over the whole tensor costs several times the decode).
-    y = _decode_buckets(meta[: full * W].view(full, W), k[: full * B].view(full, B),
-                        bits=bits, sid=sid).reshape(-1)
+    nbytes = full * B * bits // 8  # bucket sizes are multiples of 8: whole bytes
+    static = dict(bits=bits, bucket_size=B, sid=sid, accumulate=accumulate)
+    if full:
+        wrap(decode_buckets, **static)(
+            meta[: full * W].view(full, W), codes[:nbytes].view(full, B * bits // 8),
+            flat[: full * B].view(full, B))
     if full * B < n:
-        rest = n - full * B
-        tail = _decode_buckets(meta[full * W:].view(1, W), k[full * B: n].view(1, rest),
-                               bits=bits, sid=sid)
-        y = torch.cat([y, tail.reshape(-1)])
-    if accumulate:
-        out.add_(y)
-    else:
-        out.copy_(y)
+        wrap(decode_tail, **static)(meta[full * W:], codes[nbytes:], flat[full * B:])
     return out
 
 
+def decode_buckets(meta, codes, out, *, bits, bucket_size, sid, accumulate):
+    """Decode full buckets: ``codes`` [nb, B * bits / 8] under ``meta`` [nb, W] into
+    ``out`` [nb, B]. 1, 2 and 4 bits unpack from int32 words (:func:`unpack_words`) as
+    [nb, B / G, G], G codes a lane group; other widths byte by byte."""
+    nb, B = out.shape[0], bucket_size
+    group = lane_group(bits, B)
+    if group is None:
+        k = unpack_codes(codes, bits)
+        y = _decode_buckets(meta, k, bits=bits, sid=sid)
+    else:
+        k = unpack_words(codes, bits, group).view(nb, B // group, group)
+        y = _decode_buckets(meta.unsqueeze(1), k, bits=bits, sid=sid)
+        out = out.view(nb, B // group, group)
+    _store(out, y, accumulate)
+
+
+def decode_tail(meta, codes, out, *, bits, bucket_size, sid, accumulate):
+    """Decode the partial last bucket: ``out`` (1-D, < B elements) from its ``meta`` [W]
+    and ``codes`` [ceil(len / 8) * bits]."""
+    rest = out.numel()
+    k = unpack_codes(codes, bits)[:rest]
+    _store(out, _decode_buckets(meta.view(1, -1), k.view(1, rest), bits=bits, sid=sid).view(-1),
+           accumulate)
+
+
+def _store(dst: torch.Tensor, y: torch.Tensor, accumulate: bool) -> None:
+    if accumulate:
+        dst.add_(y)
+    else:
+        dst.copy_(y)
+
+
 def _decode_buckets(m: torch.Tensor, k: torch.Tensor, *, bits: int, sid: int) -> torch.Tensor:
-    """fp32 values of codes ``k`` [nb, b] under per-bucket meta ``m`` [nb, W]."""
+    """fp32 values of codes ``k`` [nb, ..., b] under per-bucket meta ``m`` [nb, ..., W]
+    (the middle dimensions broadcast)."""
     L = levels(sid, bits)
     if sid == 0:
-        return m[:, :1] + k.to(torch.float32) * m[:, 1:2]
+        return m[..., :1] + k.to(torch.float32) * m[..., 1:2]
     if sid == 1:
         return (k.to(torch.float32) - (L - 1) / 2.0) * m
     M = L - 1

@@ -67,6 +67,23 @@ def test_codes_layout_literal(bits, codes, expected):
     assert torch.equal(dequantize(p, impl=EAGER), x)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_word_unpack_matches_byte_unpack(bits):
+    """The decode's int32-word unpack (1, 2, 4 bits) reads the same codes as the
+    byte-by-byte one, lane for lane, including words with the sign bit set."""
+    from qcomm.reference import lane_group, unpack_codes, unpack_words
+
+    group = lane_group(bits, 1024)
+    assert group == (32 if bits == 1 else 16)
+    assert lane_group(bits, 8) is None and lane_group(3, 1024) is None
+    g = torch.Generator().manual_seed(bits)
+    packed = torch.randint(0, 256, (64 * group * bits // 8,), dtype=torch.uint8, generator=g)
+    packed[3] = 0xFF  # a word whose top bit is set: arithmetic shifts must not leak
+    words = unpack_words(packed, bits, group)
+    assert words.shape == (64, group)
+    assert torch.equal(words.reshape(-1), unpack_codes(packed, bits))
+
+
 def test_nuq_and_maxnorm_codes_literal():
     # nuq 4 bits: M = 7 magnitudes 2^-6 .. 1 plus 0; code = sign << 3 | j.
     x = torch.tensor([1.0, -1.0, 0.5, -0.25, 0.0, 2.0**-6, -(2.0**-6), 0.0])
