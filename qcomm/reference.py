@@ -428,7 +428,7 @@ def decode_buckets(meta, codes, out, *, bits, bucket_size, sid, accumulate):
         k = unpack_words(codes, bits, group).view(nb, B // group, group)
         y = _decode_buckets(meta.unsqueeze(1), k, bits=bits, sid=sid)
         out = out.view(nb, B // group, group)
-    _store(out, y, accumulate)
+    store(out, y, accumulate)
 
 
 def decode_tail(meta, codes, out, *, bits, bucket_size, sid, accumulate):
@@ -436,11 +436,12 @@ def decode_tail(meta, codes, out, *, bits, bucket_size, sid, accumulate):
     and ``codes`` [ceil(len / 8) * bits]."""
     rest = out.numel()
     k = unpack_codes(codes, bits)[:rest]
-    _store(out, _decode_buckets(meta.view(1, -1), k.view(1, rest), bits=bits, sid=sid).view(-1),
+    store(out, _decode_buckets(meta.view(1, -1), k.view(1, rest), bits=bits, sid=sid).view(-1),
            accumulate)
 
 
-def _store(dst: torch.Tensor, y: torch.Tensor, accumulate: bool) -> None:
+def store(dst: torch.Tensor, y: torch.Tensor, accumulate: bool) -> None:
+    """``dst += y`` (accumulate) or ``dst[...] = y``."""
     if accumulate:
         dst.add_(y)
     else:
