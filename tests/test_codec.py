@@ -359,3 +359,21 @@ def test_accumulate_adds_in_fp32():
     acc = torch.full((3000,), 2.0)
     dequantize(p, out=acc, accumulate=True, impl=EAGER)
     assert torch.equal(acc, dequantize(p, impl=EAGER) + 2.0)
+
+
+@pytest.mark.parametrize("scheme, bits", [("minmax", 8), ("minmax", 4), ("nuq", 2),
+                                          ("maxnorm", 3), ("minmax", 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_out_decodes_in_chunks(scheme, bits, dtype, monkeypatch):
+    """The torch path decodes into 16-bit outputs through a small fp32 buffer, a run of
+    buckets at a time: chunk edges, the partial last bucket and a 2-D shape must come out
+    as the fp32 decode rounded once."""
+    monkeypatch.setattr(qcomm.codec, "_CHUNK", 64)  # 16-element buckets: 4 per chunk
+    cfg = QuantConfig(bits=bits, bucket_size=16, scheme=scheme)
+    x = torch.randn(16 * 4 * 3 + 7, dtype=torch.float32) * 5
+    p = quantize(x.to(dtype), cfg, seed=2, impl=EAGER)
+    want = dequantize(p, out=torch.empty(x.numel()), impl=EAGER).to(dtype)
+    got = dequantize(p, impl=EAGER)
+    assert got.dtype == dtype and torch.equal(got, want)
+    p2 = quantize(x.to(dtype).view(-1, 1), cfg, seed=2, impl=EAGER)
+    assert torch.equal(dequantize(p2, impl=EAGER).view(-1), want)
