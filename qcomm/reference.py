@@ -367,9 +367,10 @@ def unpack_words(packed: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     words: lane s of a group takes word ``s * bits // 32`` (a broadcast: one per group, or
     a blend of two at 4 bits) shifted by ``s * bits % 32``. Every loop Inductor makes of
     it runs along the lanes, 16 wide; the byte planes of :func:`unpack_codes` store with
-    a stride and stay scalar. Measured, 1 thread, 2^22 fp32 decoded (minmax): 2-6 GB/s
-    with the planes, 31-38 GB/s from words. ``packed`` holds whole groups and starts
-    4-byte aligned (the payload layout guarantees both for full buckets).
+    a stride and stay scalar. Decode of 2^22 fp32 elements at 2 and 4 bits, 1 thread
+    (bench/results/cpu-amd-epyc-2c/codec.txt and its git history): 4.3-6.4 GB/s from
+    byte planes, 13-26 GB/s from words. ``packed`` holds whole groups and starts 4-byte
+    aligned (the payload layout guarantees both for full buckets).
     """
     words_per_group = group * bits // 32
     w = packed.view(torch.int32).view(-1, words_per_group)
