@@ -189,13 +189,14 @@ def encode_buckets(x, meta_out, codes_out, *, key, divisor, bits, bucket_size, s
                                     stochastic=stochastic, key=key, divisor=divisor)
     meta_out.copy_(meta)
     codes = codes.to(torch.uint8)
-    if bits < 8 or sid != 0:
-        # Materialize the codes as bytes before packing (a graph break under
-        # torch.compile; a no-op in eager). Fused, Inductor recomputed each packed byte's
-        # codes from strided, gathered reads of x. Measured, 1 thread, 2^22 fp32:
-        # 4-bit minmax quantize 1.3 -> 2.7 GB/s, nuq 4-bit 0.29 -> 2.2, maxnorm 8-bit
-        # 0.32 -> 3.3; minmax 8-bit alone is faster fused (4.4 against 3.2 GB/s).
-        # (Packing by summing shifted codes into int32 words, fused, ran at 0.3-1 GB/s.)
+    if sid == 2 and bits < 8:
+        # nuq below 8 bits: materialize the codes as bytes before packing (a graph break
+        # under torch.compile; a no-op in eager). Fused, Inductor recomputed each packed
+        # byte's codes from strided, gathered reads of x: 0.25-0.28 GB/s against 2.3
+        # (2 and 4 bits, 2^24 fp32, 1 thread). With [buckets, B] inputs the other
+        # schemes pack fine fused, faster than through bytes: min-max 4-bit 1.95 -> 2.6
+        # GB/s, maxnorm 8-bit 2.7 -> 3.5, the rest within noise. (Packing by summing
+        # shifted codes into int32 words, fused, ran at 0.3-1 GB/s.)
         if torch.compiler.is_compiling():  # eager: never touch dynamo (it crashed gloo
             torch._dynamo.graph_break()     # ranks at exit: "terminate called ...")
     codes_out.copy_(pack_codes(codes, bits))
