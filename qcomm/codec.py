@@ -319,7 +319,8 @@ def dequantize(
     # vectorized it 32 lanes wide through a slow conversion, or not at all for nuq. Into
     # bf16, 1 thread, 2^22 elements: minmax 8-bit 0.81 -> 2.0 Gelem/s, minmax 4-bit
     # 0.53 -> 1.8, nuq 4-bit 0.16 -> 1.6.
-    direct = FLOAT_DTYPES if path == "triton" else (torch.float32,)
+    # (On CUDA the compiled path stores 16-bit directly: chunks would be kernel launches.)
+    direct = FLOAT_DTYPES if path == "triton" or device.type == "cuda" else (torch.float32,)
     if result.is_contiguous() and (accumulate or result.dtype in direct):
         decode(result.view(-1), accumulate)
     elif result.is_contiguous() and not accumulate:  # 16-bit out on the torch path
