@@ -77,12 +77,13 @@ def uniform(index: torch.Tensor, key: int | torch.Tensor) -> torch.Tensor:
     ``h = fmix32((lo32(i) * GOLDEN + key) ^ (hi32(i) * GOLDEN_HI))``, ``u = (h >> 8) / 2^24``
     over uint32 (here int32 with wrapping multiplies): exact in fp32, and the same
     function as ``kernels/_common.py::uniform``. 32-bit lanes: twice the vector width
-    of int64 on the CPU path.
+    of int64 on the CPU path. An int32 ``index`` (every index < 2^31, the kernels'
+    ``WIDE=False``) has a high word of 0, and ``h ^ 0 * GOLDEN_HI == h``: the 64-bit
+    shift, conversion and multiply are skipped, the same bits.
     """
-    lo = index.to(torch.int32)  # truncates mod 2^32
-    hi = (index >> 32).to(torch.int32)
-    h = lo * _i32(GOLDEN) + key
-    h = h ^ (hi * _i32(GOLDEN_HI))
+    h = index.to(torch.int32) * _i32(GOLDEN) + key  # lo32(i): truncates mod 2^32
+    if index.dtype != torch.int32:
+        h = h ^ ((index >> 32).to(torch.int32) * _i32(GOLDEN_HI))
     h = _fmix32(h)
     return _srl(h, 8).to(torch.float32) * (1.0 / 16777216.0)
 
@@ -165,7 +166,10 @@ def quantize_reference(
     flat = x.reshape(-1)
     full = n // B
     nbytes = full * B * bits // 8  # bucket sizes are multiples of 8: whole bytes
-    static = dict(bits=bits, bucket_size=B, sid=sid, l2=l2, stochastic=stochastic)
+    # wide: indices may reach 2^31 (the kernels' WIDE, n + B >= 2^31); part of the
+    # compile key, so a 2^31-element tensor gets its own graph.
+    static = dict(bits=bits, bucket_size=B, sid=sid, l2=l2, stochastic=stochastic,
+                  wide=n + B >= 2**31)
     if full:
         wrap(encode_buckets, **static)(
             flat[: full * B].view(full, B), meta_out[: full * W].view(full, W),
@@ -181,29 +185,30 @@ def quantize_reference(
 
 
 def encode_buckets(x, meta_out, codes_out, *, key, divisor, bits, bucket_size, sid, l2,
-                   stochastic):
+                   stochastic, wide):
     """Quantize full buckets ``x`` [nb, B] into ``meta_out`` [nb, W] and ``codes_out``
     [nb, B * bits / 8] (element indices from 0). ``bucket_size`` (B) is not read: it keys
     the codec's compile cache, as every static argument of these pieces does."""
     meta, codes = _quantize_buckets(x.to(torch.float32), 0, None, bits=bits, sid=sid, l2=l2,
-                                    stochastic=stochastic, key=key, divisor=divisor)
+                                    stochastic=stochastic, key=key, divisor=divisor,
+                                    wide=wide)
     meta_out.copy_(meta)
     codes = codes.to(torch.uint8)
-    if sid == 2 and bits < 8:
-        # nuq below 8 bits: materialize the codes as bytes before packing (a graph break
+    if bits < 8:
+        # Below 8 bits, materialize the codes as bytes before packing (a graph break
         # under torch.compile; a no-op in eager). Fused, Inductor recomputed each packed
-        # byte's codes from strided, gathered reads of x: 0.25-0.28 GB/s against 2.3
-        # (2 and 4 bits, 2^24 fp32, 1 thread). With [buckets, B] inputs the other
-        # schemes pack fine fused, faster than through bytes: min-max 4-bit 1.95 -> 2.6
-        # GB/s, maxnorm 8-bit 2.7 -> 3.5, the rest within noise. (Packing by summing
-        # shifted codes into int32 words, fused, ran at 0.3-1 GB/s.)
+        # byte's codes from strided, gathered reads of x. 2^24 fp32, 1 thread: min-max
+        # 4-bit 1.5 GB/s fused against 3.2 through bytes, nuq 4-bit 0.28 against 2.9;
+        # maxnorm the same either way. At 8 bits there is nothing to pack and every
+        # scheme runs fused (maxnorm 8-bit 4.3 GB/s). (Packing by summing shifted codes
+        # into int32 words, fused, ran at 0.3-1 GB/s.)
         if torch.compiler.is_compiling():  # eager: never touch dynamo (it crashed gloo
             torch._dynamo.graph_break()     # ranks at exit: "terminate called ...")
     codes_out.copy_(pack_codes(codes, bits))
 
 
 def encode_tail(x, meta_out, codes_out, *, start, key, divisor, bucket_size, bits, sid, l2,
-                stochastic):
+                stochastic, wide):
     """Quantize the partial last bucket ``x`` (1-D, < B elements, first index ``start``)
     into ``meta_out`` [W] and ``codes_out`` [ceil(len / 8) * bits]: padded to a bucket
     and masked, on its own (masks over the whole tensor cost 6x: 13.7 GB/s without
@@ -212,22 +217,27 @@ def encode_tail(x, meta_out, codes_out, *, start, key, divisor, bucket_size, bit
     rest = x.numel()
     valid = (torch.arange(B, device=x.device) < rest).view(1, B)
     padded = torch.nn.functional.pad(x.to(torch.float32), (0, B - rest)).view(1, B)
-    meta, codes = _quantize_buckets(padded, start, valid, bits=bits, sid=sid, l2=l2,
-                                    stochastic=stochastic, key=key, divisor=divisor)
+    meta, codes = _quantize_buckets(padded, start.to(torch.int64 if wide else torch.int32),
+                                    valid, bits=bits, sid=sid, l2=l2, stochastic=stochastic,
+                                    key=key, divisor=divisor, wide=wide)
     meta_out.copy_(meta.reshape(-1))
     codes_out.copy_(pack_codes(codes.reshape(-1)[: -(-rest // 8) * 8], bits))
 
 
-def _quantize_buckets(xp, start, valid, *, bits, sid, l2, stochastic, key, divisor):
+def _quantize_buckets(xp, start, valid, *, bits, sid, l2, stochastic, key, divisor,
+                      wide=True):
     """Quantize buckets ``xp`` [nb, B] (fp32) whose first element has index ``start``;
-    ``valid`` masks the padding of a partial bucket (None: all valid).
+    ``valid`` masks the padding of a partial bucket (None: all valid); ``wide``: element
+    indices may reach 2^31 (int64 indices; else int32, as the kernels' ``WIDE``).
     Returns (meta [nb, W] fp32, codes [nb, B] int32; padding codes 0)."""
     nb, B = xp.shape
     L = levels(sid, bits)
     # Broadcast, not arange(nb * B).view(nb, B): Inductor (torch 2.13) fails to lower that
     # reshape when nb is symbolic ("pop from empty list").
-    rows = torch.arange(nb, device=xp.device, dtype=torch.int64)[:, None] * B
-    index = start + rows + torch.arange(B, device=xp.device, dtype=torch.int64)
+    # int32 indices where all are < 2^31 (see uniform); int64 otherwise.
+    itype = torch.int64 if wide else torch.int32
+    rows = torch.arange(nb, device=xp.device, dtype=itype)[:, None] * B
+    index = start + rows + torch.arange(B, device=xp.device, dtype=itype)
     # inf * 0 and NaN * 0 are NaN; finite * 0 is +-0: the sum is NaN iff the bucket
     # holds a non-finite value, whatever the summation order.
     bad = torch.isnan(_bucket_reduce(xp * 0.0, torch.sum))

@@ -377,3 +377,30 @@ def test_16bit_out_decodes_in_chunks(scheme, bits, dtype, monkeypatch):
     assert got.dtype == dtype and torch.equal(got, want)
     p2 = quantize(x.to(dtype).view(-1, 1), cfg, seed=2, impl=EAGER)
     assert torch.equal(dequantize(p2, impl=EAGER).view(-1), want)
+
+
+def test_hash_of_int32_and_int64_indices():
+    """The stochastic-rounding hash, against the formula in Python ints: int64 indices
+    past 2^32 mix in their high word; int32 indices (the CPU graphs of tensors under
+    2^31 elements, as the kernels' WIDE=False) skip it and give the same bits as int64."""
+    from qcomm import reference as R
+
+    key = R.seed_key(7)
+    idx = [0, 1, 5, 2**31 - 1, 123456789, 2**32 + 3, 2**40 + 2**31 + 9]
+
+    def want(i):
+        lo, hi = i & 0xFFFFFFFF, i >> 32
+        h = ((lo * R.GOLDEN + key) & 0xFFFFFFFF) ^ ((hi * R.GOLDEN_HI) & 0xFFFFFFFF)
+        return (R.fmix32_int(h) >> 8) / 2**24
+
+    got = R.uniform(torch.tensor(idx, dtype=torch.int64), key)
+    assert got.tolist() == [want(i) for i in idx]
+    narrow = torch.tensor(idx[:5], dtype=torch.int32)
+    assert torch.equal(R.uniform(narrow, key), got[:5])
+    # Whole buckets: the int32 and int64 paths give the same codes and metadata.
+    x = torch.randn(4, 64)
+    kw = dict(bits=4, sid=0, l2=False, stochastic=True, key=key,
+              divisor=torch.tensor(15.0))
+    a = R._quantize_buckets(x, 0, None, wide=True, **kw)
+    b = R._quantize_buckets(x, 0, None, wide=False, **kw)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
