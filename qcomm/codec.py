@@ -128,7 +128,7 @@ def _compiled(fn, **static):
     # key baked in as keyword defaults, gives every configuration and dtype its own cache.
     by_dtypes = {}
 
-    def compile_for(dtypes):
+    def compile_fresh():
         fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
                                    fn.__defaults__, fn.__closure__)
         fresh.__kwdefaults__ = {**(fn.__kwdefaults__ or {}), **static}
@@ -146,7 +146,7 @@ def _compiled(fn, **static):
         with _compile_lock:
             compiled = by_dtypes.get(dtypes)
             if compiled is None:
-                compiled = by_dtypes[dtypes] = compile_for(dtypes)
+                compiled = by_dtypes[dtypes] = compile_fresh()
             return compiled(*args, **kwargs)
 
     return run
@@ -315,7 +315,7 @@ def dequantize(
                 bucket_size=config.bucket_size, scheme=config.scheme, accumulate=acc,
                 wrap=_wrap(path))
     # The kernels store every float dtype. Compiled, a 16-bit store fused into the decode
-    # ran 2-9x slower than decoding to fp32 and converting (_decode_by_chunks): Inductor
+    # ran 2-9x slower than decoding to fp32 and converting (staged, _CHUNK): Inductor
     # vectorized it 32 lanes wide through a slow conversion, or not at all for nuq. Into
     # bf16, 1 thread, 2^22 elements: minmax 8-bit 0.81 -> 2.0 Gelem/s, minmax 4-bit
     # 0.53 -> 1.8, nuq 4-bit 0.16 -> 1.6.
@@ -324,7 +324,10 @@ def dequantize(
     if result.is_contiguous() and (accumulate or result.dtype in direct):
         decode(result.view(-1), accumulate)
     elif result.is_contiguous() and not accumulate:  # 16-bit out on the torch path
-        _decode_by_chunks(packed, result.view(-1), _wrap(path))
+        reference.dequantize_reference(
+            packed.meta(), packed.codes(), result, bits=config.bits,
+            bucket_size=config.bucket_size, scheme=config.scheme, wrap=_wrap(path),
+            staged=max(1, _CHUNK // config.bucket_size))
     else:  # non-contiguous out: decode, then store
         tmp = torch.empty(n, dtype=torch.float32, device=device)
         decode(tmp, False)
@@ -332,26 +335,8 @@ def dequantize(
     return result
 
 
-# Elements a chunk of _decode_by_chunks decodes at once: 2^18, 1 MiB of fp32 that stays
-# in cache. A full-size fp32 buffer cost a fresh, page-faulting allocation per call:
-# minmax 8-bit into bf16 at 2^26 elements ran at 1.4 GB/s that way, 2.6 fused.
+# Elements the CPU path decodes at once into a 16-bit output (``staged`` buckets of
+# reference.dequantize_reference): 2^18, 1 MiB of fp32 that stays in cache. A full-size
+# fp32 buffer cost a fresh, page-faulting allocation per call: minmax 8-bit into bf16 at
+# 2^26 elements ran at 1.4 GB/s that way, 2.6 fused.
 _CHUNK = 1 << 18
-
-
-def _decode_by_chunks(packed: Packed, out: torch.Tensor, wrap) -> None:
-    """Decode into a contiguous 16-bit ``out`` through a small fp32 buffer, a run of
-    whole buckets at a time (a multiple of 4 buckets: the codes stay 4-byte aligned)."""
-    config = packed.config
-    B, bits, n = config.bucket_size, config.bits, packed.numel
-    W = layout.meta_words(layout.effective_scheme_id(config.scheme, bits))
-    per = max(4, _CHUNK // B // 4 * 4)  # buckets per chunk
-    meta, codes = packed.meta(), packed.codes()
-    tmp = torch.empty(min(n, per * B), dtype=torch.float32, device=out.device)
-    for b0 in range(0, layout.num_buckets(n, B), per):
-        e0, e1 = b0 * B, min(n, (b0 + per) * B)
-        c1 = codes.numel() if e1 == n else e1 * bits // 8
-        chunk = tmp[: e1 - e0]
-        reference.dequantize_reference(
-            meta[b0 * W:(b0 + per) * W], codes[e0 * bits // 8:c1], chunk, bits=bits,
-            bucket_size=B, scheme=config.scheme, wrap=wrap)
-        out[e0:e1].copy_(chunk)

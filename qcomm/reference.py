@@ -163,25 +163,35 @@ def quantize_reference(
     if meta_out is None:
         meta_out = torch.empty(-(-n // B) * W, dtype=torch.float32, device=x.device)
         codes_out = torch.empty(-(-n // 8) * bits, dtype=torch.uint8, device=x.device)
-    flat = x.reshape(-1)
-    full = n // B
-    nbytes = full * B * bits // 8  # bucket sizes are multiples of 8: whole bytes
     # wide: indices may reach 2^31 (the kernels' WIDE, n + B >= 2^31); part of the
     # compile key, so a 2^31-element tensor gets its own graph.
     static = dict(bits=bits, bucket_size=B, sid=sid, l2=l2, stochastic=stochastic,
                   wide=n + B >= 2**31)
-    if full:
-        wrap(encode_buckets, **static)(
-            flat[: full * B].view(full, B), meta_out[: full * W].view(full, W),
-            codes_out[:nbytes].view(full, B * bits // 8), key=key, divisor=divisor)
-    if full * B < n:
+    whole, tail = _pieces(x.reshape(-1), meta_out, codes_out, bucket_size=B, bits=bits, W=W)
+    if whole:
+        wrap(encode_buckets, **static)(*whole, key=key, divisor=divisor)
+    if tail:
         # The tail's first element index as a tensor: an int would be a constant of the
         # compiled graph, one compile per tensor size.
-        start = torch.tensor(full * B, dtype=torch.int64, device=x.device)
-        wrap(encode_tail, **static)(
-            flat[full * B:], meta_out[full * W:], codes_out[nbytes:], start=start, key=key,
-            divisor=divisor)
+        start = torch.tensor(n - tail[0].numel(), dtype=torch.int64, device=x.device)
+        wrap(encode_tail, **static)(*tail, start=start, key=key, divisor=divisor)
     return meta_out, codes_out
+
+
+def _pieces(flat, meta, codes, *, bucket_size, bits, W):
+    """Split the elements ``flat`` (1-D), their ``meta`` and ``codes`` into the full
+    buckets, as ``([nb, B], [nb, W], [nb, B * bits / 8])`` views, and the partial last
+    bucket, as 1-D views; either is None where there is none."""
+    B = bucket_size
+    full = flat.numel() // B
+    nbytes = full * B * bits // 8  # bucket sizes are multiples of 8: whole bytes
+    whole = tail = None
+    if full:
+        whole = (flat[: full * B].view(full, B), meta[: full * W].view(full, W),
+                 codes[:nbytes].view(full, B * bits // 8))
+    if full * B < flat.numel():
+        tail = (flat[full * B:], meta[full * W:], codes[nbytes:])
+    return whole, tail
 
 
 def encode_buckets(x, meta_out, codes_out, *, key, divisor, bits, bucket_size, sid, l2,
@@ -403,27 +413,42 @@ def dequantize_reference(
     scheme: str,
     accumulate: bool = False,
     wrap=eager,
+    staged: int | None = None,
 ) -> torch.Tensor:
     """Decode into ``out`` (contiguous, ``numel`` elements; cast to its dtype), or with
     ``accumulate`` add the fp32 decode into it; returns ``out``.
 
     As :func:`quantize_reference`, two calls through ``wrap``: :func:`decode_buckets` on
     the full buckets as ``[nb, B]`` views, :func:`decode_tail` on the partial last one.
+    ``staged``: decode that many buckets at a time into an fp32 buffer and convert from
+    there into ``out`` (the codec's CPU path for 16-bit outputs; not with accumulate).
     """
-    n = out.numel()
+    if staged is not None and accumulate:
+        raise ValueError("dequantize_reference: staged decoding stores; it cannot accumulate")
     B = bucket_size
     sid = effective_scheme_id(scheme, bits)
-    W = meta_words(sid)
-    flat = out.view(-1)
-    full = n // B
-    nbytes = full * B * bits // 8  # bucket sizes are multiples of 8: whole bytes
     static = dict(bits=bits, bucket_size=B, sid=sid, accumulate=accumulate)
-    if full:
-        wrap(decode_buckets, **static)(
-            meta[: full * W].view(full, W), codes[:nbytes].view(full, B * bits // 8),
-            flat[: full * B].view(full, B))
-    if full * B < n:
-        wrap(decode_tail, **static)(meta[full * W:], codes[nbytes:], flat[full * B:])
+    whole, tail = _pieces(out.view(-1), meta, codes, bucket_size=B, bits=bits,
+                          W=meta_words(sid))
+    run_whole, run_tail = wrap(decode_buckets, **static), wrap(decode_tail, **static)
+    if staged is None:
+        if whole:
+            run_whole(whole[1], whole[2], whole[0])
+        if tail:
+            run_tail(tail[1], tail[2], tail[0])
+        return out
+    buf = torch.empty(min(out.numel(), staged * B), dtype=torch.float32, device=out.device)
+    if whole:
+        o, m, c = whole
+        for r in range(0, o.shape[0], staged):
+            tmp = buf[: o[r:r + staged].numel()].view(-1, B)
+            run_whole(m[r:r + staged], c[r:r + staged], tmp)
+            o[r:r + staged].copy_(tmp)
+    if tail:
+        o, m, c = tail
+        tmp = buf[: o.numel()]
+        run_tail(m, c, tmp)
+        o.copy_(tmp)
     return out
 
 
