@@ -44,35 +44,47 @@ def fmix32(h):
 
 
 @triton.jit
-def uniform(index, key, WIDE: tl.constexpr):
-    """Uniform in [0, 1) on a 2^-24 grid from (key, element index); no state.
+def pair_hash(counter, key, WIDE: tl.constexpr):
+    """``reference.pair_hash``: fmix32 of a pair counter; no state.
 
-    ``WIDE``: ``index`` is int64 and may reach 2^32. Otherwise it is int32 and the high
+    ``WIDE``: ``counter`` is int64 and may reach 2^32. Otherwise it is int32 and the high
     word, always 0, is skipped (h ^ 0 * GOLDEN_HI == h): a 64-bit shift and a multiply
-    less per element, the same bits.
+    less, the same bits.
     """
     if WIDE:
-        lo = (index & 0xFFFFFFFF).to(tl.uint32)
-        hi = (index >> 32).to(tl.uint32)
+        lo = (counter & 0xFFFFFFFF).to(tl.uint32)
+        hi = (counter >> 32).to(tl.uint32)
         h = lo * GOLDEN + key.to(tl.uint32)
         h = h ^ (hi * GOLDEN_HI)
     else:
-        h = index.to(tl.uint32) * GOLDEN + key.to(tl.uint32)
-    h = fmix32(h)
-    return (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
+        h = counter.to(tl.uint32) * GOLDEN + key.to(tl.uint32)
+    return fmix32(h)
 
 
-# reference.TINY and reference.BOOST (see reference._scaled)
+@triton.jit
+def half_uniform(h, HIGH: tl.constexpr):
+    """``reference.half_uniform``: the low or high 16 bits of uint32 ``h`` as a uniform
+    in [0, 1) on a 2^-16 grid."""
+    if HIGH:
+        b = h >> 16
+    else:
+        b = h & 0xFFFF
+    return b.to(tl.float32) * (1.0 / 65536.0)
+
+
+# reference.TINY and reference.BOOST (see reference._bucket_stats)
 TINY = tl.constexpr(2.0**-100)
 BOOST = tl.constexpr(2.0**64)
 
 
 @triton.jit
-def scaled(v, step):
-    """``reference._scaled``: ``v / step`` through one division per bucket, not per element."""
+def reciprocal_step(step):
+    """(s, 1 / (step * s)) of ``reference._bucket_stats``: ``v / step`` is computed as
+    ``(v * s) * inv``, one division per bucket, not per element; 0 where ``step`` is not
+    > 0."""
     s = tl.where(step < TINY, BOOST, 1.0)
     inv = tl.where(step > 0, tl.math.div_rn(1.0, step * s), 0.0)
-    return (v * s) * inv
+    return s, inv
 
 
 @triton.jit
@@ -105,19 +117,25 @@ def row_layout(bits: int, elem_size: int) -> tuple[int, int]:
     return (R, nbytes) if nbytes in (1, 2, 4) else (8, 0)
 
 
-def tile_args(config, n: int, elem_size: int) -> dict:
-    """The launch arguments both kernels share: tile shape, storage and index width."""
+def tile_args(config, n: int, elem_size: int, halves: bool = False) -> dict:
+    """The launch arguments both kernels share: tile shape, storage and index width.
+    ``halves``: tiles of half a bucket where a half is whole rows (quantize: one hash
+    per pair of halves, reference.uniform); PAIRED says whether it is."""
     B = config.bucket_size
     R, WORD = row_layout(config.bits, elem_size)
+    paired = halves and B % (2 * R) == 0
     return dict(n_rows=-(-n // 8) * (8 // R), BITS=config.bits, B=B, R=R, WORD=WORD,
-                RBLOCK=triton.next_power_of_2(B // R), WIDE=n + B >= 2**31,
-                num_warps=num_warps(B))
+                RBLOCK=triton.next_power_of_2(B // R // (2 if paired else 1)),
+                WIDE=n + B >= 2**31, num_warps=num_warps(B),
+                **({"PAIRED": paired} if halves else {}))
 
 
 @triton.jit
 def bucket_tile(n, n_rows, B: tl.constexpr, R: tl.constexpr, RBLOCK: tl.constexpr,
-                WIDE: tl.constexpr):
-    """This program's bucket as a [rows, R] tile: (bucket, row, rmask, index, valid).
+                WIDE: tl.constexpr, ROWS: tl.constexpr, FIRST: tl.constexpr):
+    """Rows ``[FIRST, FIRST + ROWS)`` of this program's bucket as a [RBLOCK, R] tile:
+    (bucket, row, rmask, index, valid). The whole bucket is ``ROWS = B // R, FIRST = 0``;
+    one half ``ROWS = B // (2 * R)``, ``FIRST`` 0 or that.
 
     A row packs into whole bytes (row_layout), so packing reduces along rows, inside a
     thread, instead of across the block. Indices are int64 only when ``WIDE`` (FSDP flat
@@ -126,8 +144,8 @@ def bucket_tile(n, n_rows, B: tl.constexpr, R: tl.constexpr, RBLOCK: tl.constexp
     if WIDE:
         bucket = bucket.to(tl.int64)
     r = tl.arange(0, RBLOCK)
-    row = bucket * (B // R) + r  # global row index
-    rmask = (r < B // R) & (row < n_rows)
+    row = bucket * (B // R) + FIRST + r  # global row index
+    rmask = (r < ROWS) & (row < n_rows)
     index = row[:, None] * R + tl.arange(0, R)[None, :]
     valid = rmask[:, None] & (index < n)
     return bucket, row, rmask, index, valid

@@ -44,7 +44,7 @@ def _dequantize_kernel(
     ACCUMULATE: tl.constexpr,
     WIDE: tl.constexpr,  # n >= 2^31: int64 element indices
 ):
-    bucket, row, rmask, index, valid = bucket_tile(n, n_rows, B, R, RBLOCK, WIDE)
+    bucket, row, rmask, index, valid = bucket_tile(n, n_rows, B, R, RBLOCK, WIDE, B // R, 0)
     k = load_unpack(codes_ptr, row, rmask, BITS, R, WORD)
     if SCHEME == 0:
         mn = tl.load(meta_ptr + bucket * 2)

@@ -4,6 +4,11 @@ random offsets, rounds, packs and stores codes and metadata. No full-size tempor
 Memory traffic per element: read 4 B (fp32) or 2 B (bf16/fp16); write b/8 B of codes,
 plus 4-8 B of metadata per bucket: at 8 bits, bucket 1024, fp32 that is 5.0 B moved per
 element, the least any quantizer can move.
+
+Where a half bucket is whole tile rows (``PAIRED``: buckets of a multiple of 16
+elements, the default 1024 among them) the bucket is two tiles, one per half, and one
+hash draws the random offsets of both (``reference.uniform``: element p and p + B/2
+share it); other buckets are one tile whose elements each select their pair's hash.
 """
 
 import torch
@@ -12,7 +17,106 @@ import triton.language as tl
 
 from qcomm.layout import effective_scheme_id, levels
 
-from ._common import bucket_tile, pack_store, round_codes, scaled, tile_args, uniform
+from ._common import (
+    bucket_tile,
+    half_uniform,
+    pack_store,
+    pair_hash,
+    reciprocal_step,
+    round_codes,
+    tile_args,
+)
+
+
+@triton.jit
+def _bucket_stats(x, valid, x1, valid1, PAIRED: tl.constexpr, SCHEME: tl.constexpr,
+                  L2: tl.constexpr):
+    """Statistics of the bucket in tile ``x`` (and ``x1``, its second half, when
+    ``PAIRED``): (sum of x * 0, then min and max (minmax), max |x| (maxnorm, nuq) or the
+    fp64 sum of squares (L2); the last two returned twice). inf * 0 and NaN * 0 are NaN,
+    finite * 0 is +-0: the first is NaN iff the bucket holds a non-finite value, whatever
+    the summation order. The halves are combined element by element before one
+    reduction: a reduction across warps goes through shared memory and a barrier."""
+    z = x * 0.0
+    if SCHEME == 0:
+        a = tl.where(valid, x, float("inf"))
+        b = tl.where(valid, x, float("-inf"))
+    elif L2:
+        a = x.to(tl.float64) * x.to(tl.float64)
+    else:
+        a = tl.abs(x)
+    if PAIRED:
+        z = z + x1 * 0.0
+        if SCHEME == 0:
+            a = tl.minimum(a, tl.where(valid1, x1, float("inf")))
+            b = tl.maximum(b, tl.where(valid1, x1, float("-inf")))
+        elif L2:
+            a = a + x1.to(tl.float64) * x1.to(tl.float64)
+        else:
+            a = tl.maximum(a, tl.abs(x1))
+    z = tl.sum(tl.sum(z, axis=1), axis=0)
+    if SCHEME == 0:
+        a = tl.min(tl.min(a, axis=1), axis=0)
+        b = tl.max(tl.max(b, axis=1), axis=0)
+    elif L2:
+        a = tl.sum(tl.sum(a, axis=1), axis=0)
+        b = a
+    else:
+        a = tl.max(tl.max(a, axis=1), axis=0)
+        b = a
+    return z, a, b
+
+
+@triton.jit
+def _bucket_meta(meta_ptr, bucket, z, a, b, SCHEME: tl.constexpr, LEVELS: tl.constexpr,
+                 L2: tl.constexpr):
+    """Store the bucket's metadata from its statistics; return what the codes need
+    (offset, s, inv, bad): ``reference._bucket_stats``."""
+    bad = z != z
+    if SCHEME == 0:
+        offset = a
+        step = tl.math.div_rn(b - a, LEVELS - 1.0)
+        tl.store(meta_ptr + bucket * 2, tl.where(bad, float("nan"), a))
+        tl.store(meta_ptr + bucket * 2 + 1, tl.where(bad, float("nan"), step))
+    else:
+        offset = 0.0
+        if L2:
+            scale = tl.sqrt(a).to(tl.float32)
+        else:
+            scale = a
+        if SCHEME == 1:
+            step = tl.math.div_rn(scale, (LEVELS - 1) / 2.0)
+        else:
+            step = scale
+        tl.store(meta_ptr + bucket, tl.where(bad, float("nan"), step))
+    s, inv = reciprocal_step(step)
+    return offset, s, inv, bad
+
+
+@triton.jit
+def _tile_codes(x, offset, s, inv, bad, thr, BITS: tl.constexpr, SCHEME: tl.constexpr,
+                LEVELS: tl.constexpr):
+    """int32 codes of a tile: ``reference._codes``."""
+    if SCHEME == 0:
+        t = tl.where(bad, 0.0, ((x - offset) * s) * inv)
+        codes = round_codes(t, thr, LEVELS - 1)
+    elif SCHEME == 1:
+        t = tl.where(bad, 0.0, (x * s) * inv + (LEVELS - 1) / 2.0)
+        codes = round_codes(t, thr, LEVELS - 1)
+    else:
+        M: tl.constexpr = LEVELS - 1
+        r = tl.minimum(tl.where(bad, 0.0, (tl.abs(x) * s) * inv), 1.0)
+        rbits = r.to(tl.int32, bitcast=True)
+        ebits = (rbits >> 23) & 0xFF
+        mant = (rbits & 0x7FFFFF).to(tl.float32)
+        geometric = ebits >= 127 - (M - 1)
+        j_lo = tl.where(geometric, ebits - 127 + M, 0)
+        frac = tl.where(geometric, mant * (1.0 / 8388608.0), r * (2.0 ** (M - 1)))
+        up = (frac > thr).to(tl.int32)
+        j = tl.minimum(j_lo + up, M)
+        sign = (x < 0).to(tl.int32)
+        codes = (sign << (BITS - 1)) | j
+    return codes
 
 
 @triton.jit
@@ -27,61 +131,46 @@ def _quantize_kernel(
     B: tl.constexpr,  # bucket size, a multiple of 8
     R: tl.constexpr,  # elements per tile row (_common.row_layout)
     WORD: tl.constexpr,  # how a row's codes are stored (_common.row_layout)
-    RBLOCK: tl.constexpr,  # next power of 2 >= B // R (rows per bucket)
+    RBLOCK: tl.constexpr,  # next power of 2 >= rows per tile (a bucket, or half of one)
     SCHEME: tl.constexpr,  # 0 minmax, 1 maxnorm, 2 nuq (effective id)
     LEVELS: tl.constexpr,  # layout.levels(SCHEME, BITS)
     L2: tl.constexpr,  # scale = L2 norm instead of max |x| (maxnorm, nuq)
     STOCHASTIC: tl.constexpr,  # stochastic rounding, else nearest
     WIDE: tl.constexpr,  # n >= 2^31: int64 element indices
+    PAIRED: tl.constexpr,  # B // 2 is whole rows: one tile per half bucket
 ):
-    bucket, row, rmask, index, valid = bucket_tile(n, n_rows, B, R, RBLOCK, WIDE)
-    x = tl.load(x_ptr + index, mask=valid, other=0.0).to(tl.float32)
-    # NaN iff the bucket holds inf or NaN, whatever the summation order.
-    z = tl.sum(tl.sum(x * 0.0, axis=1), axis=0)
-    bad = z != z
-    if STOCHASTIC:
-        thr = 1.0 - uniform(index, key, WIDE)
-    else:
-        thr = tl.full([RBLOCK, R], 0.5, tl.float32)
-    if SCHEME == 0:
-        mn = tl.min(tl.min(tl.where(valid, x, float("inf")), axis=1), axis=0)
-        mx = tl.max(tl.max(tl.where(valid, x, float("-inf")), axis=1), axis=0)
-        step = tl.math.div_rn(mx - mn, LEVELS - 1.0)
-        t = scaled(x - mn, step)
-        t = tl.where(bad, 0.0, t)
-        codes = round_codes(t, thr, LEVELS - 1)
-        tl.store(meta_ptr + bucket * 2, tl.where(bad, float("nan"), mn))
-        tl.store(meta_ptr + bucket * 2 + 1, tl.where(bad, float("nan"), step))
-    else:
-        if L2:
-            x64 = x.to(tl.float64)
-            scale = tl.sqrt(tl.sum(tl.sum(x64 * x64, axis=1), axis=0)).to(tl.float32)
+    H: tl.constexpr = B // 2
+    if PAIRED:
+        HR: tl.constexpr = H // R  # rows per half
+        bucket, row, rmask, index, valid = bucket_tile(n, n_rows, B, R, RBLOCK, WIDE, HR, 0)
+        _, row1, rmask1, index1, valid1 = bucket_tile(n, n_rows, B, R, RBLOCK, WIDE, HR, HR)
+        x = tl.load(x_ptr + index, mask=valid, other=0.0).to(tl.float32)
+        x1 = tl.load(x_ptr + index1, mask=valid1, other=0.0).to(tl.float32)
+        z, a, b = _bucket_stats(x, valid, x1, valid1, True, SCHEME, L2)
+        offset, s, inv, bad = _bucket_meta(meta_ptr, bucket, z, a, b, SCHEME, LEVELS, L2)
+        if STOCHASTIC:
+            h = pair_hash(index - bucket * H, key, WIDE)  # counter = bucket * H + q
+            thr = 1.0 - half_uniform(h, False)
+            thr1 = 1.0 - half_uniform(h, True)
         else:
-            scale = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-        if SCHEME == 1:
-            c = (LEVELS - 1) / 2.0
-            step = tl.math.div_rn(scale, c)
-            t = scaled(x, step) + c
-            t = tl.where(bad, 0.0, t)
-            codes = round_codes(t, thr, LEVELS - 1)
-            tl.store(meta_ptr + bucket, tl.where(bad, float("nan"), step))
+            thr = tl.full([RBLOCK, R], 0.5, tl.float32)
+            thr1 = thr
+        codes1 = _tile_codes(x1, offset, s, inv, bad, thr1, BITS, SCHEME, LEVELS)
+        pack_store(codes_ptr, tl.where(valid1, codes1, 0), row1, rmask1, BITS, R, WORD)
+    else:
+        bucket, row, rmask, index, valid = bucket_tile(n, n_rows, B, R, RBLOCK, WIDE,
+                                                       B // R, 0)
+        x = tl.load(x_ptr + index, mask=valid, other=0.0).to(tl.float32)
+        z, a, b = _bucket_stats(x, valid, x, valid, False, SCHEME, L2)
+        offset, s, inv, bad = _bucket_meta(meta_ptr, bucket, z, a, b, SCHEME, LEVELS, L2)
+        if STOCHASTIC:
+            high = index - bucket * B >= H  # the second half takes the high 16 bits
+            h = pair_hash(index - bucket * H - tl.where(high, H, 0), key, WIDE)
+            thr = 1.0 - tl.where(high, half_uniform(h, True), half_uniform(h, False))
         else:
-            M: tl.constexpr = LEVELS - 1
-            r = scaled(tl.abs(x), scale)
-            r = tl.minimum(tl.where(bad, 0.0, r), 1.0)
-            rbits = r.to(tl.int32, bitcast=True)
-            ebits = (rbits >> 23) & 0xFF
-            mant = (rbits & 0x7FFFFF).to(tl.float32)
-            geometric = ebits >= 127 - (M - 1)
-            j_lo = tl.where(geometric, ebits - 127 + M, 0)
-            frac = tl.where(geometric, mant * (1.0 / 8388608.0), r * (2.0 ** (M - 1)))
-            up = (frac > thr).to(tl.int32)
-            j = tl.minimum(j_lo + up, M)
-            sign = (x < 0).to(tl.int32)
-            codes = (sign << (BITS - 1)) | j
-            tl.store(meta_ptr + bucket, tl.where(bad, float("nan"), scale))
-    codes = tl.where(valid, codes, 0)
-    pack_store(codes_ptr, codes, row, rmask, BITS, R, WORD)
+            thr = tl.full([RBLOCK, R], 0.5, tl.float32)
+    codes = _tile_codes(x, offset, s, inv, bad, thr, BITS, SCHEME, LEVELS)
+    pack_store(codes_ptr, tl.where(valid, codes, 0), row, rmask, BITS, R, WORD)
 
 
 def quantize(x: torch.Tensor, meta: torch.Tensor, codes: torch.Tensor, config, key: int) -> None:
@@ -97,7 +186,7 @@ def quantize(x: torch.Tensor, meta: torch.Tensor, codes: torch.Tensor, config, k
     _quantize_kernel[(-(-n // config.bucket_size),)](
         x, meta, codes, n, key=key, SCHEME=sid, LEVELS=levels(sid, config.bits),
         L2=config.norm == "l2", STOCHASTIC=config.rounding == "stochastic",
-        **tile_args(config, n, x.element_size()),
+        **tile_args(config, n, x.element_size(), halves=True),
         # A fused multiply-add rounds once where torch rounds twice and would flip a
         # code now and then: the wire bytes must match the torch path exactly.
         enable_fp_fusion=False,

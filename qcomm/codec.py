@@ -314,13 +314,19 @@ def dequantize(
                 packed.meta(), packed.codes(), into, bits=config.bits,
                 bucket_size=config.bucket_size, scheme=config.scheme, accumulate=acc,
                 wrap=_wrap(path))
-    # The kernels store every float dtype. Compiled, a 16-bit store fused into the decode
-    # ran 2-9x slower than decoding to fp32 and converting (staged, _CHUNK): Inductor
-    # vectorized it 32 lanes wide through a slow conversion, or not at all for nuq. Into
-    # bf16, 1 thread, 2^22 elements: minmax 8-bit 0.81 -> 2.0 Gelem/s, minmax 4-bit
-    # 0.53 -> 1.8, nuq 4-bit 0.16 -> 1.6.
-    # (On CUDA the compiled path stores 16-bit directly: chunks would be kernel launches.)
-    direct = FLOAT_DTYPES if path == "triton" or device.type == "cuda" else (torch.float32,)
+    # The kernels store every float dtype, and so does the compiled path on CUDA (chunks
+    # would be kernel launches) and on AVX2, where the word decode's lane groups match
+    # Inductor's 16-wide tiling of a 16-bit store (reference.lane_group): into bf16, 1
+    # thread, 2^24 elements, Zen 3: 8-bit 0.87 -> 3.4 G elements/s, 4-bit 1.05 -> 3.6,
+    # against decoding 2^18 at a time to fp32 and converting (staged, _CHUNK; each chunk
+    # a compiled call, ~60-180 us of Python and guards). On AVX-512 a fused 16-bit store
+    # was measured (with the older 16-lane groups) 2-9x slower than staged, so it stays
+    # staged there: into bf16, 2^22 elements: minmax 8-bit 0.81 -> 2.0 G elements/s,
+    # minmax 4-bit 0.53 -> 1.8, nuq 4-bit 0.16 -> 1.6.
+    if path == "triton" or device.type == "cuda" or reference.vector_lanes() < 16:
+        direct = FLOAT_DTYPES
+    else:
+        direct = (torch.float32,)
     if result.is_contiguous() and (accumulate or result.dtype in direct):
         decode(result.view(-1), accumulate)
     elif result.is_contiguous() and not accumulate:  # 16-bit out on the torch path

@@ -15,7 +15,12 @@ C++ and the Triton kernels compute the same bits:
   fp64 before one rounding to fp32 (the L2 norm), so reduction order does not matter
   (an fp64 sum of <= 2^15 squares of fp32 values rounds to the same fp32 except with
   probability ~2^-29 per bucket);
-- the hash runs on int32 with wrapping multiplies, the same bits as the kernels' uint32.
+- the hash runs on int32 with wrapping multiplies, the same bits as the kernels' uint32,
+  once per pair of elements (:func:`uniform`: element p and p + B/2 of a bucket share it).
+
+The structure around that math (how buckets are split, what is concatenated, fp32 codes)
+is chosen for the C++ Inductor writes from it on AVX2 and AVX-512; the comments give the
+measurements. Every such choice computes the same bits.
 """
 
 from __future__ import annotations
@@ -71,21 +76,49 @@ def seed_key(seed: int) -> int:
     return _i32(fmix32_int((seed & MASK32) ^ fmix32_int((seed >> 32) ^ GOLDEN_HI)))
 
 
-def uniform(index: torch.Tensor, key: int | torch.Tensor) -> torch.Tensor:
-    """Counter-based uniform in [0, 1) on a 2^-24 grid from (key, int64 element index).
-
-    ``h = fmix32((lo32(i) * GOLDEN + key) ^ (hi32(i) * GOLDEN_HI))``, ``u = (h >> 8) / 2^24``
-    over uint32 (here int32 with wrapping multiplies): exact in fp32, and the same
-    function as ``kernels/_common.py::uniform``. 32-bit lanes: twice the vector width
-    of int64 on the CPU path. An int32 ``index`` (every index < 2^31, the kernels'
-    ``WIDE=False``) has a high word of 0, and ``h ^ 0 * GOLDEN_HI == h``: the 64-bit
-    shift, conversion and multiply are skipped, the same bits.
+def pair_hash(counter: torch.Tensor, key: int | torch.Tensor) -> torch.Tensor:
+    """``fmix32((lo32(c) * GOLDEN + key) ^ (hi32(c) * GOLDEN_HI))`` of int64 or int32
+    counters ``c``, as int32 bits (wrapping multiplies: the kernels' uint32 bits). An
+    int32 counter (all below 2^31: the kernels' ``WIDE=False``) has a high word of 0,
+    and ``h ^ 0 * GOLDEN_HI == h``: the 64-bit shift, conversion and multiply are
+    skipped, the same bits. 32-bit lanes: twice the vector width of int64 on the CPU.
     """
-    h = index.to(torch.int32) * _i32(GOLDEN) + key  # lo32(i): truncates mod 2^32
-    if index.dtype != torch.int32:
-        h = h ^ ((index >> 32).to(torch.int32) * _i32(GOLDEN_HI))
-    h = _fmix32(h)
-    return _srl(h, 8).to(torch.float32) * (1.0 / 16777216.0)
+    h = counter.to(torch.int32) * _i32(GOLDEN) + key  # lo32(c): truncates mod 2^32
+    if counter.dtype != torch.int32:
+        h = h ^ ((counter >> 32).to(torch.int32) * _i32(GOLDEN_HI))
+    return _fmix32(h)
+
+
+def half_uniform(h: torch.Tensor, high: bool | torch.Tensor) -> torch.Tensor:
+    """The low (``high`` False) or high 16 bits of hash ``h`` as a uniform in [0, 1) on a
+    2^-16 grid (exact in fp32)."""
+    if isinstance(high, bool):
+        bits16 = _srl(h, 16) if high else h & 0xFFFF
+    else:
+        bits16 = torch.where(high, _srl(h, 16), h & 0xFFFF)
+    return bits16.to(torch.float32) * (1.0 / 65536.0)
+
+
+def uniform(index: torch.Tensor, key: int | torch.Tensor, bucket_size: int) -> torch.Tensor:
+    """The stochastic-rounding uniform of every element ``index`` (int32 or int64):
+    counter-based, a function of (key, index, bucket size) only.
+
+    Element ``p`` of bucket ``b`` (``p < B``, ``H = B / 2``) and element ``p + H`` are a
+    pair: both hash counter ``c = b * H + p mod H`` once; the first half takes the low 16
+    bits of the hash, the second half the high 16 (:func:`half_uniform`). One hash per
+    two elements: the hash is the largest part of the quantize loop (fmix32: two 32-bit
+    multiplies and three shift-xors), and halving it took the CPU 8-bit code loop from
+    0.72 to 0.94 G elements/s (Zen 3, 1 thread). Halves, not neighbours: both are
+    contiguous runs, so each vector of one half meets its partner vector of the other
+    (CPU) and each thread its partner row (kernels). Rounding up when ``frac > 1 - u``
+    is unbiased to within 2^-16 of a step.
+    """
+    B = bucket_size
+    H = B // 2
+    pos = index % B
+    high = pos >= H
+    counter = index // B * H + torch.where(high, pos - H, pos)
+    return half_uniform(pair_hash(counter, key), high)
 
 
 def _bucket_reduce(t: torch.Tensor, op) -> torch.Tensor:
@@ -107,11 +140,15 @@ def divisor_for(scheme_id: int, bits: int) -> float:
 
 
 def _round_codes(t: torch.Tensor, thr: torch.Tensor | float, top: int) -> torch.Tensor:
-    """Round level position ``t >= 0`` up when its fraction exceeds ``thr``; clamp."""
+    """Round level position ``t >= 0`` up when its fraction exceeds ``thr``; clamp to
+    ``[0, top]``. fp32 throughout: the codes are small integers, exact in fp32, and the
+    same values as the kernels' int32 arithmetic, but converting to uint8 straight from
+    fp32 is one instruction on AVX2 where int32 -> uint8 has no vector conversion in
+    Inductor's C++ (a loop through a buffer): 8-bit code stores 0.92 G elements/s from
+    int32, 2.39 from fp32 (Zen 3, 1 thread)."""
     lo = torch.floor(t)
-    frac = t - lo
-    up = (frac > thr).to(torch.int32)
-    return torch.clamp(lo.to(torch.int32) + up, 0, top)
+    up = (t - lo > thr).to(torch.float32)
+    return torch.clamp(lo + up, 0.0, float(top))
 
 
 def eager(fn, **static):
@@ -169,7 +206,19 @@ def quantize_reference(
                   wide=n + B >= 2**31)
     whole, tail = _pieces(x.reshape(-1), meta_out, codes_out, bucket_size=B, bits=bits, W=W)
     if whole:
-        wrap(encode_buckets, **static)(*whole, key=key, divisor=divisor)
+        xw, mw, cw = whole
+        # The codes of the two halves of every bucket (uniform) go to two views: one loop
+        # computes both halves from one hash. Below 8 bits they go to a byte buffer that
+        # a second call packs (pack_buckets): packed in the same graph, Inductor
+        # recomputed each packed byte's codes from strided, gathered reads of x (2^24
+        # fp32, 1 thread, AVX-512: min-max 4-bit 1.5 GB/s fused against 3.2 through
+        # bytes, nuq 4-bit 0.28 against 2.9).
+        dest = cw if bits == 8 else torch.empty(xw.shape, dtype=torch.uint8, device=x.device)
+        H = B // 2
+        wrap(encode_buckets, **static)(xw, mw, dest[:, :H], dest[:, H:], key=key,
+                                       divisor=divisor)
+        if bits < 8:
+            wrap(pack_buckets, bits=bits)(dest, cw)
     if tail:
         # The tail's first element index as a tensor: an int would be a constant of the
         # compiled graph, one compile per tensor size.
@@ -194,26 +243,32 @@ def _pieces(flat, meta, codes, *, bucket_size, bits, W):
     return whole, tail
 
 
-def encode_buckets(x, meta_out, codes_out, *, key, divisor, bits, bucket_size, sid, l2,
-                   stochastic, wide):
-    """Quantize full buckets ``x`` [nb, B] into ``meta_out`` [nb, W] and ``codes_out``
-    [nb, B * bits / 8] (element indices from 0). ``bucket_size`` (B) is not read: it keys
-    the codec's compile cache, as every static argument of these pieces does."""
-    meta, codes = _quantize_buckets(x.to(torch.float32), 0, None, bits=bits, sid=sid, l2=l2,
-                                    stochastic=stochastic, key=key, divisor=divisor,
-                                    wide=wide)
+def encode_buckets(x, meta_out, lo_out, hi_out, *, key, divisor, bits, bucket_size, sid,
+                   l2, stochastic, wide):
+    """Quantize full buckets ``x`` [nb, B] (element indices from 0) into ``meta_out``
+    [nb, W] and the codes of each bucket's two halves, as bytes, into ``lo_out`` and
+    ``hi_out`` [nb, B / 2] (views; one byte per code). ``bucket_size`` (B) is not read:
+    it keys the codec's compile cache, as every static argument of these pieces does."""
+    nb, B = x.shape
+    H = B // 2
+    xf = x.to(torch.float32)
+    meta, per = _bucket_stats(xf, None, sid=sid, bits=bits, l2=l2, divisor=divisor)
     meta_out.copy_(meta)
-    codes = codes.to(torch.uint8)
-    if bits < 8:
-        # Below 8 bits, materialize the codes as bytes before packing (a graph break
-        # under torch.compile; a no-op in eager). Fused, Inductor recomputed each packed
-        # byte's codes from strided, gathered reads of x. 2^24 fp32, 1 thread: min-max
-        # 4-bit 1.5 GB/s fused against 3.2 through bytes, nuq 4-bit 0.28 against 2.9;
-        # maxnorm the same either way. At 8 bits there is nothing to pack and every
-        # scheme runs fused (maxnorm 8-bit 4.3 GB/s). (Packing by summing shifted codes
-        # into int32 words, fused, ran at 0.3-1 GB/s.)
-        if torch.compiler.is_compiling():  # eager: never touch dynamo (it crashed gloo
-            torch._dynamo.graph_break()     # ranks at exit: "terminate called ...")
+    if stochastic:
+        itype = torch.int64 if wide else torch.int32
+        counter = (torch.arange(nb, device=x.device, dtype=itype)[:, None] * H
+                   + torch.arange(H, device=x.device, dtype=itype))
+        h = pair_hash(counter, key)
+        thr_lo, thr_hi = 1.0 - half_uniform(h, False), 1.0 - half_uniform(h, True)
+    else:
+        thr_lo = thr_hi = 0.5
+    for out, half, thr in ((lo_out, xf[:, :H], thr_lo), (hi_out, xf[:, H:], thr_hi)):
+        out.copy_(_codes(half, per, thr, sid=sid, bits=bits)
+                  .to(torch.uint8))
+
+
+def pack_buckets(codes, codes_out, *, bits):
+    """Pack code bytes ``codes`` [nb, B] into ``codes_out`` [nb, B * bits / 8]."""
     codes_out.copy_(pack_codes(codes, bits))
 
 
@@ -225,76 +280,90 @@ def encode_tail(x, meta_out, codes_out, *, start, key, divisor, bucket_size, bit
     against 2.3 GB/s with, minmax 8 bits, 2^24 elements, 2 cores, Inductor)."""
     B = bucket_size
     rest = x.numel()
-    valid = (torch.arange(B, device=x.device) < rest).view(1, B)
+    pos = torch.arange(B, device=x.device)
+    valid = (pos < rest).view(1, B)
     padded = torch.nn.functional.pad(x.to(torch.float32), (0, B - rest)).view(1, B)
-    meta, codes = _quantize_buckets(padded, start.to(torch.int64 if wide else torch.int32),
-                                    valid, bits=bits, sid=sid, l2=l2, stochastic=stochastic,
-                                    key=key, divisor=divisor, wide=wide)
+    meta, per = _bucket_stats(padded, valid, sid=sid, bits=bits, l2=l2, divisor=divisor)
+    if stochastic:
+        index = start.to(torch.int64 if wide else torch.int32) + pos.to(torch.int32)
+        thr = 1.0 - uniform(index, key, B).view(1, B)
+    else:
+        thr = 0.5
+    codes = torch.where(valid, _codes(padded, per, thr, sid=sid, bits=bits), 0.0)
     meta_out.copy_(meta.reshape(-1))
-    codes_out.copy_(pack_codes(codes.reshape(-1)[: -(-rest // 8) * 8], bits))
+    codes_out.copy_(pack_codes(codes.reshape(-1)[: -(-rest // 8) * 8].to(torch.uint8), bits))
 
 
-def _quantize_buckets(xp, start, valid, *, bits, sid, l2, stochastic, key, divisor,
-                      wide=True):
-    """Quantize buckets ``xp`` [nb, B] (fp32) whose first element has index ``start``;
-    ``valid`` masks the padding of a partial bucket (None: all valid); ``wide``: element
-    indices may reach 2^31 (int64 indices; else int32, as the kernels' ``WIDE``).
-    Returns (meta [nb, W] fp32, codes [nb, B] int32; padding codes 0)."""
-    nb, B = xp.shape
-    L = levels(sid, bits)
-    # Broadcast, not arange(nb * B).view(nb, B): Inductor (torch 2.13) fails to lower that
-    # reshape when nb is symbolic ("pop from empty list").
-    # int32 indices where all are < 2^31 (see uniform); int64 otherwise.
-    itype = torch.int64 if wide else torch.int32
-    rows = torch.arange(nb, device=xp.device, dtype=itype)[:, None] * B
-    index = start + rows + torch.arange(B, device=xp.device, dtype=itype)
+def _bucket_stats(xp, valid, *, sid, bits, l2, divisor):
+    """Per-bucket statistics of buckets ``xp`` [nb, B] (fp32; ``valid`` masks the padding
+    of a partial bucket, None: all valid): (meta [nb, W] as the payload stores it,
+    ``per`` [nb, 4], what :func:`_codes` needs: offset, boost s, 1 / (step * s) and the
+    level offset c, the last two 0 in a bucket holding inf or NaN).
+
+    ``per`` is one concatenated tensor so that Inductor stores it once per bucket and
+    the per-element loop loads four numbers. Left as expressions, they were inlined into
+    that loop and recomputed every vector, two divisions per 8 elements (the compiler
+    cannot hoist them: the uint8 code stores may alias the loads): 8-bit min-max quantize
+    0.51 -> 0.68 G elements/s (Zen 3, 1 thread)."""
+    nan = torch.tensor(float("nan"), dtype=torch.float32, device=xp.device)
     # inf * 0 and NaN * 0 are NaN; finite * 0 is +-0: the sum is NaN iff the bucket
     # holds a non-finite value, whatever the summation order.
     bad = torch.isnan(_bucket_reduce(xp * 0.0, torch.sum))
-    if stochastic:
-        thr = 1.0 - uniform(index, key)  # P(frac > 1 - u) = frac for u on [0, 1)
-    else:
-        thr = 0.5
-    nan = torch.tensor(float("nan"), dtype=torch.float32, device=xp.device)
+    offset = level = torch.zeros_like(bad, dtype=torch.float32)
     if sid == 0:  # minmax
         lo_in = xp if valid is None else torch.where(valid, xp, float("inf"))
         hi_in = xp if valid is None else torch.where(valid, xp, float("-inf"))
-        mn = _bucket_reduce(lo_in, torch.amin)
-        mx = _bucket_reduce(hi_in, torch.amax)
-        step = (mx - mn) / divisor
-        t = _scaled(xp - mn, step)
-        t = torch.where(bad, 0.0, t)
-        codes = _round_codes(t, thr, L - 1)
-        meta = torch.cat([torch.where(bad, nan, mn), torch.where(bad, nan, step)], dim=1)
+        offset = _bucket_reduce(lo_in, torch.amin)
+        step = (_bucket_reduce(hi_in, torch.amax) - offset) / divisor
+        meta = torch.cat([torch.where(bad, nan, offset), torch.where(bad, nan, step)], dim=1)
     else:  # padding is 0: it changes neither max |x| nor the L2 norm
         if l2:
             scale = _bucket_reduce(xp.to(torch.float64).square(), torch.sum).sqrt()
             scale = scale.to(torch.float32)
         else:
             scale = _bucket_reduce(xp.abs(), torch.amax)
-        if sid == 1:  # maxnorm: x = (k - c) * step, c = (L - 1) / 2
-            step = scale / divisor
-            t = _scaled(xp, step) + divisor
-            t = torch.where(bad, 0.0, t)
-            codes = _round_codes(t, thr, L - 1)
-            meta = torch.where(bad, nan, step)
-        else:  # nuq: sign bit, level j in 0..M: 0 or 2^-(M - j)
-            M = L - 1
-            r = _scaled(xp.abs(), scale)
-            r = torch.clamp(torch.where(bad, 0.0, r), max=1.0)
-            ebits = (r.view(torch.int32) >> 23) & 0xFF  # r >= 0: the sign bit is 0
-            mant = (r.view(torch.int32) & 0x7FFFFF).to(torch.float32)
-            geometric = ebits >= 127 - (M - 1)  # r >= 2^-(M-1), the smallest level
-            j_lo = torch.where(geometric, ebits - 127 + M, 0)
-            frac = torch.where(geometric, mant * (1.0 / 8388608.0), r * float(2.0 ** (M - 1)))
-            up = (frac > thr).to(torch.int32)
-            j = torch.clamp(j_lo.to(torch.int32) + up, max=M)
-            sign = (xp < 0).to(torch.int32)
-            codes = (sign << (bits - 1)) | j
-            meta = torch.where(bad, nan, scale)
-    if valid is not None:
-        codes = torch.where(valid, codes, 0)
-    return meta, codes
+        step = scale / divisor if sid == 1 else scale  # nuq divides |x| by the scale
+        meta = torch.where(bad, nan, step)
+        if sid == 1:
+            level = torch.where(bad, 0.0, divisor)  # maxnorm's c
+    # v / step as (v * s) * (1 / (step * s)): one division per bucket, not per element
+    # (a division costs the GPU kernel ~10 instructions an element); s is BOOST for
+    # steps under TINY, so no reciprocal overflows; 0 where step is not > 0 (constant
+    # buckets) and in bad ones.
+    s = torch.where(step < TINY, BOOST, 1.0)
+    inv = torch.where((step > 0) & ~bad, 1.0 / (step * s), 0.0)
+    return meta, torch.cat([offset, s, inv, level], dim=1)
+
+
+def _codes(x, per, thr, *, sid, bits):
+    """Codes (fp32, exact integers) of elements ``x`` [nb, m] under their buckets'
+    ``per`` [nb, 4] (:func:`_bucket_stats`) with rounding thresholds ``thr``.
+
+    A bad bucket (inf or NaN) has ``inv = 0`` and ``c = 0``: its level positions are 0
+    for finite x and NaN (then 0) for the rest, the kernels' ``where(bad, 0, t)``
+    without reading a fifth number per element: Inductor stores a full-size temporary
+    of any value read twice that reads more than 4 (``realize_reads_threshold``), and
+    the rounding reads the level position twice. (bf16 8-bit: 0.48 G elements/s with
+    the temporary.)"""
+    L = levels(sid, bits)
+    offset, s, inv, level = per[:, 0:1], per[:, 1:2], per[:, 2:3], per[:, 3:4]
+    if sid == 0:  # minmax: x = min + k * step
+        t = ((x - offset) * s) * inv
+        return _round_codes(torch.where(t == t, t, 0.0), thr, L - 1)
+    if sid == 1:  # maxnorm: x = (k - c) * step, c = (L - 1) / 2
+        t = (x * s) * inv + level
+        return _round_codes(torch.where(t == t, t, 0.0), thr, L - 1)
+    # nuq: sign bit, level j in 0..M: 0 or 2^-(M - j)
+    M = L - 1
+    r = (x.abs() * s) * inv
+    r = torch.clamp(torch.where(r == r, r, 0.0), max=1.0)
+    ebits = (r.view(torch.int32) >> 23) & 0xFF  # r >= 0: the sign bit is 0
+    mant = (r.view(torch.int32) & 0x7FFFFF).to(torch.float32)
+    geometric = ebits >= 127 - (M - 1)  # r >= 2^-(M-1), the smallest level
+    j_lo = torch.where(geometric, ebits - 127 + M, 0).to(torch.float32)
+    frac = torch.where(geometric, mant * (1.0 / 8388608.0), r * float(2.0 ** (M - 1)))
+    j = torch.clamp(j_lo + (frac > thr).to(torch.float32), max=float(M))
+    return j + (x < 0).to(torch.float32) * float(1 << (bits - 1))
 
 
 # Steps below TINY are scaled by BOOST before their reciprocal is taken: 1 / 2^-100 is
@@ -303,12 +372,10 @@ TINY = 2.0**-100
 BOOST = 2.0**64
 
 
-def _scaled(v: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """``v / step`` per bucket as ``(v * s) * (1 / (step * s))``; 0 where ``step`` is not
-    > 0 (constant or non-finite buckets). ``s`` is BOOST for steps under TINY, else 1."""
-    s = torch.where(step < TINY, BOOST, 1.0)
-    inv = torch.where(step > 0, 1.0 / (step * s), 0.0)
-    return (v * s) * inv
+def _bytes(v: torch.Tensor) -> torch.Tensor:
+    """Integer values in [0, 255] as uint8; int32 through fp32 (exact), which AVX2 converts
+    in one instruction and int32 -> uint8 not at all (see _round_codes)."""
+    return v if v.dtype == torch.uint8 else v.to(torch.float32).to(torch.uint8)
 
 
 def _byte_pieces(bits: int, m: int):
@@ -318,8 +385,8 @@ def _byte_pieces(bits: int, m: int):
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 codes [..., m] (m a multiple of 8) -> uint8 [..., m * bits / 8], 8 codes per
-    ``bits`` bytes along the last dimension.
+    """Integer codes (int32 or uint8) [..., m] (m a multiple of 8) -> uint8
+    [..., m * bits / 8], 8 codes per ``bits`` bytes along the last dimension.
 
     Group g's word ``w = sum_k codes[8g + k] << (k * bits)`` is stored little-endian in
     bytes ``[g * bits, (g + 1) * bits)``. Each byte is built from the codes that overlap
@@ -328,14 +395,14 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """
     lead = codes.shape[:-1]
     if bits == 8:
-        return codes.to(torch.uint8)
+        return _bytes(codes)
     if 8 % bits == 0:
         per = 8 // bits
         g = codes.view(*lead, -1, per)
         byte = g[..., 0]
         for k in range(1, per):
             byte = byte | (g[..., k] << (k * bits))
-        return byte.to(torch.uint8)
+        return _bytes(byte)
     g = codes.view(*lead, -1, 8)
     out = []
     for m in range(bits):
@@ -344,7 +411,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
             piece = (g[..., k] << shift) if shift >= 0 else (g[..., k] >> -shift)
             byte = piece if byte is None else byte | piece
         out.append(byte & 0xFF)
-    return torch.stack(out, dim=-1).to(torch.uint8).reshape(*lead, -1)
+    return _bytes(torch.stack(out, dim=-1)).reshape(*lead, -1)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -373,34 +440,72 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.stack(out, dim=-1).reshape(*lead, -1)
 
 
-def lane_group(bits: int, bucket_size: int) -> int | None:
-    """Codes per lane group of the word paths (:func:`unpack_words`): 16 (one AVX-512
-    vector of fp32; 2 and 4 bits) or 32 (1 bit: one int32 word); None where the word
-    paths do not apply (3, 5, 6, 7 and 8 bits, or buckets not a multiple of the group)."""
-    if bits not in (1, 2, 4):
+@functools.cache
+def vector_lanes() -> int:
+    """fp32 lanes of the SIMD vectors Inductor compiles the CPU path for: 16 (AVX-512),
+    8 (AVX2), ...; 16 where it cannot tell (the shapes stay valid, only slower).
+    Called outside the compiled graphs (it probes the compiler once)."""
+    try:
+        from torch._inductor import cpu_vec_isa
+
+        isa = cpu_vec_isa.pick_vec_isa()
+        return int(isa.nelements(torch.float32)) if isa else 16
+    except Exception:  # an internal module: its changes must not break the codec
+        return 16
+
+
+def lane_group(bits: int, bucket_size: int, out_dtype: torch.dtype = torch.float32,
+               lanes: int | None = None) -> int | None:
+    """Codes per lane group of the word decode (:func:`unpack_words`) into ``out_dtype``
+    on a machine of ``lanes`` fp32 lanes (default :func:`vector_lanes`); None where the
+    bytes are read one by one (:func:`unpack_codes`): 3, 5, 6 and 7 bits, 8 bits on
+    16 lanes, or buckets that are not whole groups.
+
+    A group is one vector of the loop Inductor writes, which it tiles by the narrowest
+    float it stores: ``lanes`` for fp32 outputs, twice that for bf16/fp16 (at least the
+    32 codes of one int32 word at 1 bit). A group of another width breaks the loop into
+    scalar code or per-lane index tables. Decode of [2^14, 1024], 8 bits, Zen 3 (AVX2,
+    8 lanes), 1 thread, G elements/s: fp32 out 2.58 (group 8) / 1.83 (16); bf16 out
+    0.30 (8) / 3.44 (16) / 0.23 (32); 4 bits into bf16 0.56 (8) / 3.61 (16).
+
+    8 bits go through words only on 8-lane machines: AVX2's ``Vectorized<uint8_t>`` has
+    no 8-byte load (Inductor copies each 8 bytes through a buffer first): 0.69 G
+    elements/s from bytes against 2.58 from words; AVX-512 loads 16 bytes directly (23
+    GB/s from bytes, memcpy speed, bench/results/cpu-amd-epyc-2c/codec.txt).
+    """
+    lanes = vector_lanes() if lanes is None else lanes
+    if bits not in (1, 2, 4) and not (bits == 8 and lanes < 16):
         return None
-    group = max(16, 32 // bits)
+    tile = lanes * (4 // torch.empty((), dtype=out_dtype).element_size())
+    group = max(tile, 32 // bits)
     return group if bucket_size % group == 0 else None
 
 
 def unpack_words(packed: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """:func:`unpack_codes` for 1, 2 and 4 bits, as ``[n / group, group]``, read as int32
-    words: lane s of a group takes word ``s * bits // 32`` (a broadcast: one per group, or
-    a blend of two at 4 bits) shifted by ``s * bits % 32``. Every loop Inductor makes of
-    it runs along the lanes, 16 wide; the byte planes of :func:`unpack_codes` store with
-    a stride and stay scalar. Decode of 2^22 fp32 elements at 2 and 4 bits, 1 thread
-    (bench/results/cpu-amd-epyc-2c/codec.txt and its git history): 4.3-6.4 GB/s from
-    byte planes, 13-26 GB/s from words. ``packed`` holds whole groups and starts 4-byte
-    aligned (the payload layout guarantees both for full buckets).
+    """:func:`unpack_codes` for 1, 2, 4 and 8 bits, as ``[n / group, group]``, read as
+    int32 words: lane s of a group takes word ``j = s * bits // 32`` shifted right by
+    ``s * bits - 32 * j`` (one broadcast word per group, or a blend of several). Word
+    and shift are both chosen by the same comparisons of ``s``, so every index Inductor
+    sees is affine in the lane: a ``% 32`` made it build a per-lane shift table (scalar
+    code), and a shift table as a tensor is an int32 vector load, which AVX2's
+    ``Vectorized<int32_t>`` does through a buffer (8 bits into fp32: 2.58 -> 1.83 G
+    elements/s with a table). The byte planes of :func:`unpack_codes` store with a
+    stride and stay scalar: decode of 2^22 fp32 elements at 2 and 4 bits, 1 thread,
+    AVX-512 (bench/results/cpu-amd-epyc-2c/codec.txt and its git history): 4.3-6.4 GB/s
+    from byte planes, 13-26 GB/s from words. ``packed`` holds whole groups and starts
+    4-byte aligned (the payload layout guarantees both for full buckets).
     """
     words_per_group = group * bits // 32
     w = packed.view(torch.int32).view(-1, words_per_group)
-    s = torch.arange(group, dtype=torch.int32, device=packed.device)
-    word = w[:, words_per_group - 1:]
-    for j in range(words_per_group - 2, -1, -1):  # lanes of word j: s * bits < 32 (j + 1)
-        word = torch.where(s * bits < 32 * (j + 1), w[:, j:j + 1], word)
+    pos = torch.arange(group, dtype=torch.int32, device=packed.device) * bits  # bit offset
+    last = words_per_group - 1
+    word, shift = w[:, last:], pos - 32 * last
+    for j in range(last - 1, -1, -1):
+        in_word = pos < 32 * (j + 1)  # lanes s of word j and below
+        word = torch.where(in_word, w[:, j:j + 1], word)
+        shift = torch.where(in_word, pos - 32 * j, shift)
     # Arithmetic shifts are fine: the mask drops the sign copies above bit 31 - shift.
-    return (word >> ((s * bits) % 32)) & ((1 << bits) - 1)
+    return (word >> shift) & ((1 << bits) - 1)
 
 
 def dequantize_reference(
@@ -414,6 +519,7 @@ def dequantize_reference(
     accumulate: bool = False,
     wrap=eager,
     staged: int | None = None,
+    group: int | None | str = "auto",
 ) -> torch.Tensor:
     """Decode into ``out`` (contiguous, ``numel`` elements; cast to its dtype), or with
     ``accumulate`` add the fp32 decode into it; returns ``out``.
@@ -421,16 +527,23 @@ def dequantize_reference(
     As :func:`quantize_reference`, two calls through ``wrap``: :func:`decode_buckets` on
     the full buckets as ``[nb, B]`` views, :func:`decode_tail` on the partial last one.
     ``staged``: decode that many buckets at a time into an fp32 buffer and convert from
-    there into ``out`` (the codec's CPU path for 16-bit outputs; not with accumulate).
+    there into ``out`` (the codec's CPU path for 16-bit outputs on AVX-512; not with
+    accumulate). ``group``: codes per lane group of the full buckets' word decode, None
+    for byte by byte; ``"auto"``: :func:`lane_group` for this machine and the dtype
+    the decode stores. Every choice gives the same values.
     """
     if staged is not None and accumulate:
         raise ValueError("dequantize_reference: staged decoding stores; it cannot accumulate")
     B = bucket_size
     sid = effective_scheme_id(scheme, bits)
+    if group == "auto":  # (on a GPU, Inductor writes Triton: the 16-lane shapes stay)
+        group = lane_group(bits, B, torch.float32 if staged else out.dtype,
+                           lanes=None if out.device.type == "cpu" else 16)
     static = dict(bits=bits, bucket_size=B, sid=sid, accumulate=accumulate)
     whole, tail = _pieces(out.view(-1), meta, codes, bucket_size=B, bits=bits,
                           W=meta_words(sid))
-    run_whole, run_tail = wrap(decode_buckets, **static), wrap(decode_tail, **static)
+    run_whole = wrap(decode_buckets, group=group, **static)
+    run_tail = wrap(decode_tail, **static)
     if staged is None:
         if whole:
             run_whole(whole[1], whole[2], whole[0])
@@ -452,12 +565,11 @@ def dequantize_reference(
     return out
 
 
-def decode_buckets(meta, codes, out, *, bits, bucket_size, sid, accumulate):
+def decode_buckets(meta, codes, out, *, bits, bucket_size, sid, accumulate, group):
     """Decode full buckets: ``codes`` [nb, B * bits / 8] under ``meta`` [nb, W] into
-    ``out`` [nb, B]. 1, 2 and 4 bits unpack from int32 words (:func:`unpack_words`) as
-    [nb, B / G, G], G codes a lane group; other widths byte by byte."""
+    ``out`` [nb, B]: from int32 words (:func:`unpack_words`) as [nb, B / G, G] where
+    ``group`` G is given (:func:`lane_group`), else byte by byte."""
     nb, B = out.shape[0], bucket_size
-    group = lane_group(bits, B)
     if group is None:
         k = unpack_codes(codes, bits)
         y = _decode_buckets(meta, k, bits=bits, sid=sid)

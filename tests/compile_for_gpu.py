@@ -16,12 +16,13 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     sys.exit("compile_for_gpu.py: unset TRITON_INTERPRET (the interpreter compiles nothing)")
 
 import triton  # noqa: E402
-from qcomm.kernels._common import num_warps, row_layout  # noqa: E402
+from qcomm.kernels._common import num_warps, tile_args  # noqa: E402
 from qcomm.kernels.dequantize import _dequantize_kernel  # noqa: E402
 from qcomm.kernels.quantize import _quantize_kernel  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from qcomm.config import QuantConfig  # noqa: E402
 from qcomm.layout import effective_scheme_id, levels  # noqa: E402
 
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -40,25 +41,28 @@ def compile_case(scheme, bits, dtype, bucket, l2, stochastic, accumulate, arch, 
                  aligned=False):
     target = GPUTarget("cuda", arch, 32)
     sid = effective_scheme_id(scheme, bits)
-    R, WORD = row_layout(bits, {"float32": 4}.get(dtype, 2))
-    common = dict(BITS=bits, B=bucket, R=R, WORD=WORD,
-                  RBLOCK=triton.next_power_of_2(bucket // R),
-                  SCHEME=sid, LEVELS=levels(sid, bits))
+    config = QuantConfig(bits=bits, bucket_size=bucket, scheme=scheme)
+    elem = {"float32": 4}.get(dtype, 2)
     warps = warps or num_warps(bucket)
     # aligned: pointers and sizes divisible by 16, as Triton specializes a real launch
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)} if aligned else None
-    q = dict(common, L2=l2, STOCHASTIC=stochastic, WIDE=False)
+    options = dict(num_warps=warps, enable_fp_fusion=False)
+
+    def constexprs(**kw):  # the launchers' tile arguments, without the runtime ones
+        args = dict(tile_args(config, 1 << 20, elem, **kw), SCHEME=sid, LEVELS=levels(sid, bits))
+        del args["n_rows"], args["num_warps"]
+        return args
+
+    q = dict(constexprs(halves=True), L2=l2, STOCHASTIC=stochastic)
     sig = dict(x_ptr="*" + DTYPES[dtype], meta_ptr="*fp32", codes_ptr="*u8", n="i64",
                n_rows="i64", key="i32", **{k: "constexpr" for k in q})
-    options = dict(num_warps=warps, enable_fp_fusion=False)
     kq = triton.compile(ASTSource(_quantize_kernel, sig, constexprs=q, attrs=attrs),
                         target=target, options=options)
-    d = dict(common, ACCUMULATE=accumulate, WIDE=False)
+    d = dict(constexprs(), ACCUMULATE=accumulate)
     out = "*fp32" if accumulate else "*" + DTYPES[dtype]
     sig = dict(meta_ptr="*fp32", codes_ptr="*u8", out_ptr=out, n="i64", n_rows="i64",
                **{k: "constexpr" for k in d})
-    src = ASTSource(_dequantize_kernel, sig, constexprs=d, attrs=attrs)
-    kd = triton.compile(src,
+    kd = triton.compile(ASTSource(_dequantize_kernel, sig, constexprs=d, attrs=attrs),
                         target=target, options=options)
     return kq, kd
 

@@ -67,21 +67,62 @@ def test_codes_layout_literal(bits, codes, expected):
     assert torch.equal(dequantize(p, impl=EAGER), x)
 
 
-@pytest.mark.parametrize("bits", [1, 2, 4])
-def test_word_unpack_matches_byte_unpack(bits):
-    """The decode's int32-word unpack (1, 2, 4 bits) reads the same codes as the
-    byte-by-byte one, lane for lane, including words with the sign bit set."""
-    from qcomm.reference import lane_group, unpack_codes, unpack_words
+def test_lane_groups_per_machine():
+    """The word decode's groups: one vector of the loop Inductor writes (8 or 16 fp32
+    lanes, twice that for 16-bit stores), at least one int32 word; 8 bits only on
+    8-lane machines; None for widths or buckets the words cannot serve."""
+    from qcomm.reference import lane_group
 
-    group = lane_group(bits, 1024)
-    assert group == (32 if bits == 1 else 16)
-    assert lane_group(bits, 8) is None and lane_group(3, 1024) is None
-    g = torch.Generator().manual_seed(bits)
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert [lane_group(b, 1024, f32, lanes=16) for b in (1, 2, 4, 8)] == [32, 16, 16, None]
+    assert [lane_group(b, 1024, bf16, lanes=16) for b in (1, 2, 4, 8)] == [32, 32, 32, None]
+    assert [lane_group(b, 1024, f32, lanes=8) for b in (1, 2, 4, 8)] == [32, 16, 8, 8]
+    assert [lane_group(b, 1024, bf16, lanes=8) for b in (1, 2, 4, 8)] == [32, 16, 16, 16]
+    assert lane_group(3, 1024, f32, lanes=8) is None and lane_group(4, 8, f32, lanes=16) is None
+    assert lane_group(4, 24, bf16, lanes=8) is None  # not a whole number of groups
+
+
+@pytest.mark.parametrize("bits, group", [(1, 32), (2, 16), (2, 32), (4, 8), (4, 16),
+                                         (4, 32), (8, 8), (8, 16)])
+def test_word_unpack_matches_byte_unpack(bits, group):
+    """The decode's int32-word unpack reads the same codes as the byte-by-byte one, lane
+    for lane, at every group any machine uses, including words with the sign bit set."""
+    from qcomm.reference import unpack_codes, unpack_words
+
+    g = torch.Generator().manual_seed(bits * group)
     packed = torch.randint(0, 256, (64 * group * bits // 8,), dtype=torch.uint8, generator=g)
     packed[3] = 0xFF  # a word whose top bit is set: arithmetic shifts must not leak
     words = unpack_words(packed, bits, group)
     assert words.shape == (64, group)
     assert torch.equal(words.reshape(-1), unpack_codes(packed, bits))
+
+
+@pytest.mark.parametrize("scheme", ["minmax", "nuq"])
+@pytest.mark.parametrize("bits", [1, 4, 8])
+def test_dequantize_same_at_every_group(scheme, bits):
+    """Whatever group a machine picks (or bytes), the decode is the same bits, into fp32,
+    bf16 and accumulated."""
+    from qcomm.reference import dequantize_reference
+
+    cfg = QuantConfig(bits=bits, bucket_size=64, scheme=scheme)
+    x = torch.randn(64 * 5 + 9)
+    p = quantize(x, cfg, seed=3, impl=EAGER)
+    kw = dict(bits=bits, bucket_size=64, scheme=scheme)
+    for dtype in (torch.float32, torch.bfloat16):
+        want = dequantize_reference(p.meta(), p.codes(), torch.empty(x.numel(), dtype=dtype),
+                                    group=None, **kw)
+        for group in (8, 16, 32):
+            if group * bits % 32 == 0:
+                got = dequantize_reference(p.meta(), p.codes(),
+                                           torch.empty(x.numel(), dtype=dtype), group=group,
+                                           **kw)
+                assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else
+                                            torch.int32),
+                                   want.view(torch.int16 if dtype != torch.float32 else
+                                             torch.int32)), (dtype, group)
+    acc = torch.ones(x.numel())
+    dequantize_reference(p.meta(), p.codes(), acc, accumulate=True, group=32, **kw)
+    assert torch.equal(acc, 1.0 + dequantize(p, impl=EAGER))
 
 
 def test_nuq_and_maxnorm_codes_literal():
@@ -379,28 +420,46 @@ def test_16bit_out_decodes_in_chunks(scheme, bits, dtype, monkeypatch):
     assert torch.equal(dequantize(p2, impl=EAGER).view(-1), want)
 
 
-def test_hash_of_int32_and_int64_indices():
-    """The stochastic-rounding hash, against the formula in Python ints: int64 indices
-    past 2^32 mix in their high word; int32 indices (the CPU graphs of tensors under
-    2^31 elements, as the kernels' WIDE=False) skip it and give the same bits as int64."""
+def test_uniform_pairs_halves_against_formula():
+    """The stochastic-rounding uniform, against its formula in Python ints: element p of
+    bucket b and element p + B/2 hash the counter b * B/2 + p mod B/2 once, and take its
+    low and high 16 bits. int64 indices past 2^32 mix in the counter's high word; int32
+    indices (tensors under 2^31 elements, the kernels' WIDE=False) skip it, same bits."""
     from qcomm import reference as R
 
-    key = R.seed_key(7)
-    idx = [0, 1, 5, 2**31 - 1, 123456789, 2**32 + 3, 2**40 + 2**31 + 9]
+    key, B = R.seed_key(7), 64
+    idx = [0, 1, 31, 32, 33, 63, 64, 96, 5, 2**31 - 1, 123456789, 2**33 + 3,
+           2**41 + 2**31 + 40]
 
     def want(i):
-        lo, hi = i & 0xFFFFFFFF, i >> 32
-        h = ((lo * R.GOLDEN + key) & 0xFFFFFFFF) ^ ((hi * R.GOLDEN_HI) & 0xFFFFFFFF)
-        return (R.fmix32_int(h) >> 8) / 2**24
+        b, p = divmod(i, B)
+        c = b * (B // 2) + p % (B // 2)
+        lo, hi = c & 0xFFFFFFFF, c >> 32
+        h = R.fmix32_int(((lo * R.GOLDEN + key) & 0xFFFFFFFF) ^ ((hi * R.GOLDEN_HI) & 0xFFFFFFFF))
+        return ((h >> 16) if p >= B // 2 else (h & 0xFFFF)) / 2**16
 
-    got = R.uniform(torch.tensor(idx, dtype=torch.int64), key)
+    got = R.uniform(torch.tensor(idx, dtype=torch.int64), key, B)
     assert got.tolist() == [want(i) for i in idx]
-    narrow = torch.tensor(idx[:5], dtype=torch.int32)
-    assert torch.equal(R.uniform(narrow, key), got[:5])
-    # Whole buckets: the int32 and int64 paths give the same codes and metadata.
-    x = torch.randn(4, 64)
-    kw = dict(bits=4, sid=0, l2=False, stochastic=True, key=key,
+    assert got[0] != got[3] and got[1] != got[4]  # elements 0, 32 and 1, 33: one hash each
+    narrow = torch.tensor(idx[:11], dtype=torch.int32)
+    assert torch.equal(R.uniform(narrow, key, B), got[:11])
+
+
+def test_quantize_paths_agree_on_the_pairing():
+    """The full-bucket graph (halves as views, one hash per pair), the partial-bucket
+    graph (the per-element formula) and int32 / int64 counters give the same codes:
+    the last bucket of a tensor, quantized whole and as a tail, decodes the same."""
+    from qcomm import reference as R
+
+    x = torch.randn(4 * 64)
+    kw = dict(bits=4, bucket_size=64, sid=0, l2=False, stochastic=True, key=R.seed_key(5),
               divisor=torch.tensor(15.0))
-    a = R._quantize_buckets(x, 0, None, wide=True, **kw)
-    b = R._quantize_buckets(x, 0, None, wide=False, **kw)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    meta = torch.empty(4, 2)
+    full = torch.empty(4, 64, dtype=torch.uint8)
+    for wide in (False, True):
+        R.encode_buckets(x.view(4, 64), meta, full[:, :32], full[:, 32:], wide=wide, **kw)
+        codes = torch.empty(3 * 64 * 4 // 8, dtype=torch.uint8)
+        tmeta = torch.empty(2)
+        R.encode_tail(x[192:], tmeta, codes[:32], start=torch.tensor(192), wide=wide, **kw)
+        assert torch.equal(tmeta, meta[3])
+        assert torch.equal(codes[:32], R.pack_codes(full[3], 4))

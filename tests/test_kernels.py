@@ -66,6 +66,17 @@ def test_triton_matches_reference(scheme, bits, dtype, n):
     assert same_bits(got, want), describe_mismatch(got, want)
 
 
+@pytest.mark.parametrize("scheme", ["minmax", "maxnorm", "nuq"])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_matches_reference_unpaired_buckets(scheme, bits, dtype):
+    """Buckets whose half is not whole tile rows (40 elements: 5 rows of 8, so bf16 and
+    8-bit) take the kernel's one-tile path, where each element selects its pair's hash;
+    fp32 at 2 and 4 bits (rows of 4) still pairs. Both must give the reference's bytes."""
+    x = gradient_like(3 * 40 + 13, dtype, seed=bits)
+    assert_same_bytes(x, QuantConfig(bits=bits, bucket_size=40, scheme=scheme))
+
+
 @pytest.mark.parametrize("scheme, bits", [("minmax", 5), ("maxnorm", 6), ("nuq", 7),
                                           ("nuq", 4), ("maxnorm", 2)])
 @pytest.mark.parametrize("norm, rounding", [("l2", "stochastic"), ("max", "nearest"),
