@@ -165,6 +165,13 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _cpu_isa() -> str | None:
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def _mem_total_gib() -> float | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -253,8 +260,11 @@ def run_header(what: str, *, device: str, link: str | None = None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device,
         "gpus": _gpus(),
+        # isa: the vector instructions torch (and Inductor's CPU code) use: the CPU
+        # codec's speed depends on it (AVX2 vs AVX-512: different loops, see
+        # qcomm/reference.py), so two machines of one model name differ by it.
         "cpu": {"model": _cpu_model(), "cores": cores, "usable_cores": usable,
-                "memory_gib": _mem_total_gib()},
+                "memory_gib": _mem_total_gib(), "isa": _cpu_isa()},
         "host": platform.node(),
         # Other work on the machine skews CPU timings: the 1/5/15-minute load at the start.
         "load_avg": [round(x, 2) for x in os.getloadavg()],
@@ -276,6 +286,8 @@ def machine_name(header: dict) -> str:
         base = f"{len(header['gpus'])}x-{g['name']}" if len(header["gpus"]) > 1 else g["name"]
     else:
         base = f"cpu-{header['cpu']['model']}-{header['cpu']['cores']}c"
+        if header["cpu"].get("isa") not in (None, "DEFAULT"):
+            base += f"-{header['cpu']['isa']}"
     return re.sub(r"[^a-z0-9]+", "-", base.lower()).strip("-")
 
 
@@ -290,7 +302,8 @@ def format_header(h: dict) -> str:
         )
     c = h["cpu"]
     lines.append(f"# CPU: {c['model']}, {c['cores']} cores ({c['usable_cores']} usable), "
-                 f"{c['memory_gib']} GiB, load {' '.join(map(str, h['load_avg']))}; "
+                 f"{c['memory_gib']} GiB, {c.get('isa') or 'ISA ?'}, "
+                 f"load {' '.join(map(str, h['load_avg']))}; "
                  f"device {h['device']}")
     lines.append(f"# torch {v['torch']}, triton {v['triton']}, qcomm {v['qcomm']} "
                  f"({v['qcomm_git']}), python {v['python']}; link {h['link']}")

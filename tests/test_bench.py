@@ -78,6 +78,11 @@ def test_table_and_header():
     text = common.format_header(h)
     assert "torch" in text and "link 1gbit" in text
     assert common.machine_name(h) and "/" not in common.machine_name(h)
+    # Two CPUs of one model name with different vector units get different folders.
+    isa = h["cpu"]["isa"]
+    assert isa and isa in text
+    if isa != "DEFAULT":
+        assert common.machine_name(h).endswith("-" + isa.lower())
 
 
 def test_codec(tmp_path, capsys):
