@@ -114,6 +114,22 @@ def _select_impl(device: torch.device, impl: str | None) -> str:
 
 _compile_lock = threading.Lock()
 
+@functools.cache
+def _inductor_options() -> dict:
+    """Options of the quantize graphs. Inductor stores a value in a full-size buffer of
+    its own when the expression that computes it grows past ~50 operations or a few
+    reads (its ``realize_*`` thresholds); the quantize pieces are one pass each by
+    design, and a stored intermediate costs a round trip through memory and, on AVX2,
+    the 16-wide tiling of a bf16/fp16 loop. Measured side by side (Zen 3, 2^24
+    elements, 1 thread, G elements/s): bf16 quantize 8-bit 0.44 -> 0.64-0.67, 4-bit
+    0.39 -> 0.53-0.58, fp32 unchanged. Not for decode: nuq decodes lost 10-20% with
+    them (an expression read twice is then computed twice). Only the options this torch
+    knows (their names have moved between versions)."""
+    from torch._inductor import config
+
+    return {name: 1 << 20 for name in ("realize_opcount_threshold", "realize_reads_threshold",
+                                       "realize_acc_reads_threshold") if hasattr(config, name)}
+
 
 @functools.cache
 def _compiled(fn, **static):
@@ -135,7 +151,8 @@ def _compiled(fn, **static):
         # Only the first dimension is dynamic: dynamic=True would make the baked-in ints
         # (bits, bucket size) symbolic too, and loops of symbolic length over a bucket
         # vectorize badly (a max over [2^14, 1024]: 5 GB/s against 15 static).
-        return torch.compile(fresh, dynamic=False)
+        options = _inductor_options() if fn.__name__.startswith("encode") else {}
+        return torch.compile(fresh, dynamic=False, options=options)
 
     def run(*args, **kwargs):
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]

@@ -207,18 +207,26 @@ def quantize_reference(
     whole, tail = _pieces(x.reshape(-1), meta_out, codes_out, bucket_size=B, bits=bits, W=W)
     if whole:
         xw, mw, cw = whole
-        # The codes of the two halves of every bucket (uniform) go to two views: one loop
-        # computes both halves from one hash. Below 8 bits they go to a byte buffer that
-        # a second call packs (pack_buckets): packed in the same graph, Inductor
-        # recomputed each packed byte's codes from strided, gathered reads of x (2^24
-        # fp32, 1 thread, AVX-512: min-max 4-bit 1.5 GB/s fused against 3.2 through
-        # bytes, nuq 4-bit 0.28 against 2.9).
-        dest = cw if bits == 8 else torch.empty(xw.shape, dtype=torch.uint8, device=x.device)
         H = B // 2
-        wrap(encode_buckets, **static)(xw, mw, dest[:, :H], dest[:, H:], key=key,
-                                       divisor=divisor)
-        if bits < 8:
-            wrap(pack_buckets, bits=bits)(dest, cw)
+        encode = wrap(encode_buckets, **static)
+        # One loop computes the codes of both halves of every bucket from one hash each
+        # (uniform). fp32 8-bit codes go straight into the payload's two halves; the
+        # others come back as two tensors: Inductor copies a value into a strided view
+        # through a loop of its own, and a loop without bf16/fp16 in the kernel made it
+        # tile the 16-bit loads 8 wide, which AVX2 does through a buffer (bf16 8-bit
+        # codes loop 0.57 -> 0.93 G elements/s as two outputs, Zen 3, 1 thread). Below 8
+        # bits a second call packs them (pack_buckets): packed in the same graph,
+        # Inductor recomputed each packed byte's codes from strided, gathered reads of x
+        # (AVX-512, 2^24 fp32, 1 thread: min-max 4-bit 1.5 GB/s against 3.2 apart).
+        if bits == 8 and x.dtype == torch.float32:
+            encode(xw, mw, cw[:, :H], cw[:, H:], key=key, divisor=divisor)
+        else:
+            lo, hi = encode(xw, mw, None, None, key=key, divisor=divisor)
+            if bits == 8:
+                cw[:, :H].copy_(lo)
+                cw[:, H:].copy_(hi)
+            else:
+                wrap(pack_buckets, bits=bits)(lo, hi, cw)
     if tail:
         # The tail's first element index as a tensor: an int would be a constant of the
         # compiled graph, one compile per tensor size.
@@ -246,9 +254,10 @@ def _pieces(flat, meta, codes, *, bucket_size, bits, W):
 def encode_buckets(x, meta_out, lo_out, hi_out, *, key, divisor, bits, bucket_size, sid,
                    l2, stochastic, wide):
     """Quantize full buckets ``x`` [nb, B] (element indices from 0) into ``meta_out``
-    [nb, W] and the codes of each bucket's two halves, as bytes, into ``lo_out`` and
-    ``hi_out`` [nb, B / 2] (views; one byte per code). ``bucket_size`` (B) is not read:
-    it keys the codec's compile cache, as every static argument of these pieces does."""
+    [nb, W] and the codes, one byte each, of each bucket's two halves: into ``lo_out``
+    and ``hi_out`` [nb, B / 2] (views) if given, else returned as two new tensors.
+    ``bucket_size`` (B) is not read: it keys the codec's compile cache, as every static
+    argument of these pieces does."""
     nb, B = x.shape
     H = B // 2
     xf = x.to(torch.float32)
@@ -262,14 +271,18 @@ def encode_buckets(x, meta_out, lo_out, hi_out, *, key, divisor, bits, bucket_si
         thr_lo, thr_hi = 1.0 - half_uniform(h, False), 1.0 - half_uniform(h, True)
     else:
         thr_lo = thr_hi = 0.5
-    for out, half, thr in ((lo_out, xf[:, :H], thr_lo), (hi_out, xf[:, H:], thr_hi)):
-        out.copy_(_codes(half, per, thr, sid=sid, bits=bits)
-                  .to(torch.uint8))
+    lo, hi = (_codes(half, per, thr, sid=sid, bits=bits).to(torch.uint8)
+              for half, thr in ((xf[:, :H], thr_lo), (xf[:, H:], thr_hi)))
+    if lo_out is None:
+        return lo, hi
+    lo_out.copy_(lo)
+    hi_out.copy_(hi)
 
 
-def pack_buckets(codes, codes_out, *, bits):
-    """Pack code bytes ``codes`` [nb, B] into ``codes_out`` [nb, B * bits / 8]."""
-    codes_out.copy_(pack_codes(codes, bits))
+def pack_buckets(lo, hi, codes_out, *, bits):
+    """Pack the code bytes of the buckets' halves ``lo``, ``hi`` [nb, B / 2] into
+    ``codes_out`` [nb, B * bits / 8]."""
+    codes_out.copy_(pack_codes(torch.cat([lo, hi], dim=1), bits))
 
 
 def encode_tail(x, meta_out, codes_out, *, start, key, divisor, bucket_size, bits, sid, l2,
