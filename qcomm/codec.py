@@ -116,14 +116,15 @@ _compile_lock = threading.Lock()
 
 @functools.cache
 def _inductor_options() -> dict:
-    """Options of the quantize graphs. Inductor stores a value in a full-size buffer of
-    its own when the expression that computes it grows past ~50 operations or a few
-    reads (its ``realize_*`` thresholds); the quantize pieces are one pass each by
-    design, and a stored intermediate costs a round trip through memory and, on AVX2,
-    the 16-wide tiling of a bf16/fp16 loop. Measured side by side (Zen 3, 2^24
+    """Options of the CPU quantize graphs and 16-bit decodes. Inductor stores a value in a
+    full-size buffer of its own when the expression that computes it grows past ~50
+    operations or a few reads (its ``realize_*`` thresholds); these graphs are one pass
+    each by design, and a stored intermediate costs a round trip through memory and, on
+    AVX2, the 16-wide tiling of a bf16/fp16 loop. Measured side by side (Zen 3, 2^24
     elements, 1 thread, G elements/s): bf16 quantize 8-bit 0.44 -> 0.64-0.67, 4-bit
-    0.39 -> 0.53-0.58, fp32 unchanged. Not for decode: nuq decodes lost 10-20% with
-    them (an expression read twice is then computed twice). Only the options this torch
+    0.39 -> 0.53-0.58, fp32 unchanged; nuq 8-bit decode into bf16 0.29 -> 2.77, the
+    other 16-bit decodes within noise. Not for fp32 decodes: nuq lost 10-20% with them
+    (an expression read twice is then computed twice). Only the options this torch
     knows (their names have moved between versions)."""
     from torch._inductor import config
 
@@ -133,10 +134,10 @@ def _inductor_options() -> dict:
 
 @functools.cache
 def _compiled(fn, **static):
-    # One compiled graph per static key (scheme, bits, bucket size, ...) and per dtype of
-    # the tensors passed, dynamic in the first dimension (length or bucket count): a flat
-    # FSDP shard changes length per parameter group, and recompiling per size would cost
-    # seconds per call. The lock keeps two threads from compiling at once.
+    # One compiled graph per static key (scheme, bits, bucket size, ...), device type and
+    # dtypes of the tensors passed, dynamic in the first dimension (length or bucket
+    # count): a flat FSDP shard changes length per parameter group, and recompiling per
+    # size would cost seconds per call. The lock keeps two threads from compiling at once.
     # Dynamo caches compiled graphs on the code object it runs, at most 8 per code object
     # (recompile_limit) before it silently falls back to eager, and a partial would be
     # run through one shared wrapper: a group with three collectives, two dtypes and two
@@ -144,26 +145,32 @@ def _compiled(fn, **static):
     # key baked in as keyword defaults, gives every configuration and dtype its own cache.
     by_dtypes = {}
 
-    def compile_fresh():
+    def compile_fresh(device_type, dtypes):
+        # _inductor_options: quantize graphs, and decodes that store bf16/fp16, on CPU
+        # (on a GPU Inductor writes Triton, where the thresholds guard register pressure)
+        unrealized = device_type == "cpu" and (
+            fn.__name__.startswith("encode")
+            or (fn.__name__.startswith("decode") and not {torch.bfloat16, torch.float16}
+                .isdisjoint(dtypes)))
         fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
                                    fn.__defaults__, fn.__closure__)
         fresh.__kwdefaults__ = {**(fn.__kwdefaults__ or {}), **static}
         # Only the first dimension is dynamic: dynamic=True would make the baked-in ints
         # (bits, bucket size) symbolic too, and loops of symbolic length over a bucket
         # vectorize badly (a max over [2^14, 1024]: 5 GB/s against 15 static).
-        options = _inductor_options() if fn.__name__.startswith("encode") else {}
-        return torch.compile(fresh, dynamic=False, options=options)
+        return torch.compile(fresh, dynamic=False,
+                             options=_inductor_options() if unrealized else {})
 
     def run(*args, **kwargs):
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         for t in tensors:
             if t.dim() >= 1:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-        dtypes = tuple(t.dtype for t in tensors)
+        dtypes = (tensors[0].device.type, *(t.dtype for t in tensors))
         with _compile_lock:
             compiled = by_dtypes.get(dtypes)
             if compiled is None:
-                compiled = by_dtypes[dtypes] = compile_fresh()
+                compiled = by_dtypes[dtypes] = compile_fresh(dtypes[0], dtypes[1:])
             return compiled(*args, **kwargs)
 
     return run
@@ -332,15 +339,18 @@ def dequantize(
                 bucket_size=config.bucket_size, scheme=config.scheme, accumulate=acc,
                 wrap=_wrap(path))
     # The kernels store every float dtype, and so does the compiled path on CUDA (chunks
-    # would be kernel launches) and on AVX2, where the word decode's lane groups match
-    # Inductor's 16-wide tiling of a 16-bit store (reference.lane_group): into bf16, 1
-    # thread, 2^24 elements, Zen 3: 8-bit 0.87 -> 3.4 G elements/s, 4-bit 1.05 -> 3.6,
-    # against decoding 2^18 at a time to fp32 and converting (staged, _CHUNK; each chunk
-    # a compiled call, ~60-180 us of Python and guards). On AVX-512 a fused 16-bit store
-    # was measured (with the older 16-lane groups) 2-9x slower than staged, so it stays
-    # staged there: into bf16, 2^22 elements: minmax 8-bit 0.81 -> 2.0 G elements/s,
-    # minmax 4-bit 0.53 -> 1.8, nuq 4-bit 0.16 -> 1.6.
-    if path == "triton" or device.type == "cuda" or reference.vector_lanes() < 16:
+    # would be kernel launches) and on AVX2 where the word decode applies: its lane groups
+    # match Inductor's 16-wide tiling of a 16-bit store (reference.lane_group). Into
+    # bf16, 1 thread, 2^24 elements, Zen 3, G elements/s, staged (2^18 decoded to fp32 at
+    # a time and converted; each chunk a compiled call) -> direct: 4 bits 1.08-1.14 ->
+    # 3.0-4.1, 8 bits 1.06-1.09 -> 2.8-3.4; 3 bits (bytes) 0.38-0.41 staged, 0.22 direct.
+    # On AVX-512 a direct 16-bit store was measured (with the older 16-lane groups) 2-9x
+    # slower than staged, so it stays staged there: into bf16, 2^22 elements: minmax
+    # 8-bit 0.81 -> 2.0 G elements/s, minmax 4-bit 0.53 -> 1.8, nuq 4-bit 0.16 -> 1.6.
+    if path == "triton" or device.type == "cuda":
+        direct = FLOAT_DTYPES
+    elif (reference.vector_lanes() < 16
+          and reference.lane_group(config.bits, config.bucket_size, result.dtype)):
         direct = FLOAT_DTYPES
     else:
         direct = (torch.float32,)

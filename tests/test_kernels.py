@@ -169,8 +169,11 @@ def test_triton_input_untouched():
         (QuantConfig(bits=4), torch.float32),
         (QuantConfig(bits=4, scheme="nuq"), torch.bfloat16),
         (QuantConfig(bits=3, scheme="maxnorm", norm="l2", bucket_size=256), torch.float16),
+        # 16-bit 8-bit codes come back from the graph and are copied into the payload's
+        # halves; half of a 40-element bucket is not a whole vector
+        (QuantConfig(bits=8, bucket_size=40), torch.bfloat16),
     ],
-    ids=["minmax8-fp32", "minmax4-fp32", "nuq4-bf16", "maxnorm3-l2-fp16"],
+    ids=["minmax8-fp32", "minmax4-fp32", "nuq4-bf16", "maxnorm3-l2-fp16", "minmax8-b40-bf16"],
 )
 def test_compiled_torch_path_matches_eager(cfg, dtype, monkeypatch):
     monkeypatch.setenv("QCOMM_COMPILE", "1")
