@@ -210,23 +210,28 @@ def quantize_reference(
         H = B // 2
         encode = wrap(encode_buckets, **static)
         # One loop computes the codes of both halves of every bucket from one hash each
-        # (uniform). fp32 8-bit codes go straight into the payload's two halves; the
-        # others come back as two tensors: Inductor copies a value into a strided view
+        # (uniform). From fp32 the codes go straight into two views: the payload's halves
+        # (8 bits) or those of one byte buffer to pack. From bf16/fp16 they come back
+        # as two tensors (more to allocate and a cat to pack; 2^26 fp32 4-bit lost 20%
+        # that way to page faults): Inductor copies a value into a strided view
         # through a loop of its own, and a loop without bf16/fp16 in the kernel made it
         # tile the 16-bit loads 8 wide, which AVX2 does through a buffer (bf16 8-bit
         # codes loop 0.57 -> 0.93 G elements/s as two outputs, Zen 3, 1 thread). Below 8
         # bits a second call packs them (pack_buckets): packed in the same graph,
         # Inductor recomputed each packed byte's codes from strided, gathered reads of x
         # (AVX-512, 2^24 fp32, 1 thread: min-max 4-bit 1.5 GB/s against 3.2 apart).
-        if bits == 8 and x.dtype == torch.float32:
-            encode(xw, mw, cw[:, :H], cw[:, H:], key=key, divisor=divisor)
+        if x.dtype == torch.float32:
+            dest = cw if bits == 8 else torch.empty(xw.shape, dtype=torch.uint8,
+                                                    device=x.device)
+            encode(xw, mw, dest[:, :H], dest[:, H:], key=key, divisor=divisor)
+            halves = (dest,)
         else:
-            lo, hi = encode(xw, mw, None, None, key=key, divisor=divisor)
+            halves = encode(xw, mw, None, None, key=key, divisor=divisor)
             if bits == 8:
-                cw[:, :H].copy_(lo)
-                cw[:, H:].copy_(hi)
-            else:
-                wrap(pack_buckets, bits=bits)(lo, hi, cw)
+                cw[:, :H].copy_(halves[0])
+                cw[:, H:].copy_(halves[1])
+        if bits < 8:
+            wrap(pack_buckets, bits=bits)(*halves, codes_out=cw)
     if tail:
         # The tail's first element index as a tensor: an int would be a constant of the
         # compiled graph, one compile per tensor size.
@@ -279,10 +284,10 @@ def encode_buckets(x, meta_out, lo_out, hi_out, *, key, divisor, bits, bucket_si
     hi_out.copy_(hi)
 
 
-def pack_buckets(lo, hi, codes_out, *, bits):
-    """Pack the code bytes of the buckets' halves ``lo``, ``hi`` [nb, B / 2] into
-    ``codes_out`` [nb, B * bits / 8]."""
-    codes_out.copy_(pack_codes(torch.cat([lo, hi], dim=1), bits))
+def pack_buckets(*codes, codes_out, bits):
+    """Pack code bytes into ``codes_out`` [nb, B * bits / 8]: ``codes`` is the buckets'
+    [nb, B] bytes, or the two halves [nb, B / 2] as :func:`encode_buckets` returns them."""
+    codes_out.copy_(pack_codes(codes[0] if len(codes) == 1 else torch.cat(codes, dim=1), bits))
 
 
 def encode_tail(x, meta_out, codes_out, *, start, key, divisor, bucket_size, bits, sid, l2,
