@@ -276,8 +276,8 @@ def encode_buckets(x, meta_out, lo_out, hi_out, *, key, divisor, bits, bucket_si
         thr_lo, thr_hi = 1.0 - half_uniform(h, False), 1.0 - half_uniform(h, True)
     else:
         thr_lo = thr_hi = 0.5
-    lo, hi = (_codes(half, per, thr, sid=sid, bits=bits).to(torch.uint8)
-              for half, thr in ((xf[:, :H], thr_lo), (xf[:, H:], thr_hi)))
+    lo, hi = [_codes(half, per, thr, sid=sid, bits=bits).to(torch.uint8)
+              for half, thr in ((xf[:, :H], thr_lo), (xf[:, H:], thr_hi))]
     if lo_out is None:
         return lo, hi
     lo_out.copy_(lo)
