@@ -161,10 +161,13 @@ def _compiled(fn, **static):
         return torch.compile(fresh, dynamic=False,
                              options=_inductor_options() if unrealized else {})
 
+    # reference marks the pieces whose shapes never change (one bucket: fixed size B)
+    dynamic = not getattr(fn, "static_shapes", False)
+
     def run(*args, **kwargs):
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         for t in tensors:
-            if t.dim() >= 1:
+            if dynamic and t.dim() >= 1:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         dtypes = (tensors[0].device.type, *(t.dtype for t in tensors))
         with _compile_lock:

@@ -184,12 +184,13 @@ def quantize_reference(
     would be a constant, and Inductor turns ``x / constant`` into ``x * (1 / constant)``,
     which rounds differently from the Triton kernel's IEEE division.
 
-    The work is two calls, each through ``wrap(fn, **static)`` (the codec passes its
-    ``torch.compile`` cache): :func:`encode_buckets` on the full buckets as ``[nb, B]``
-    views, :func:`encode_tail` on the partial last bucket. Split here, outside the
+    The work is two kinds of call, each through ``wrap(fn, **static)`` (the codec passes
+    its ``torch.compile`` cache): :func:`encode_buckets` on the full buckets as
+    ``[nb, B]`` views, :func:`encode_bucket` on one bucket at a time (the partial last
+    one; a lone full one) copied into a B-element buffer. Split here, outside the
     compiled graphs, the graphs see 2-D tensors whose only dynamic size is the bucket
     count, so Inductor indexes them without a division or modulo by a symbolic size
-    per vector (the flat graph's loops had several).
+    per vector (the flat graph's loops had several), or tensors of fixed size.
     """
     n = x.numel()
     B = bucket_size
@@ -204,7 +205,8 @@ def quantize_reference(
     # compile key, so a 2^31-element tensor gets its own graph.
     static = dict(bits=bits, bucket_size=B, sid=sid, l2=l2, stochastic=stochastic,
                   wide=n + B >= 2**31)
-    whole, tail = _pieces(x.reshape(-1), meta_out, codes_out, bucket_size=B, bits=bits, W=W)
+    whole, singles = _pieces(x.reshape(-1), meta_out, codes_out, bucket_size=B, bits=bits,
+                             W=W)
     if whole:
         xw, mw, cw = whole
         H = B // 2
@@ -232,28 +234,54 @@ def quantize_reference(
                 cw[:, H:].copy_(halves[1])
         if bits < 8:
             wrap(pack_buckets, bits=bits)(*halves, codes_out=cw)
-    if tail:
-        # The tail's first element index as a tensor: an int would be a constant of the
-        # compiled graph, one compile per tensor size.
-        start = torch.tensor(n - tail[0].numel(), dtype=torch.int64, device=x.device)
-        wrap(encode_tail, **static)(*tail, start=start, key=key, divisor=divisor)
+    for piece in singles:
+        _encode_single(wrap(encode_bucket, **static), *piece, key=key, divisor=divisor,
+                       bucket_size=B, bits=bits)
     return meta_out, codes_out
 
 
 def _pieces(flat, meta, codes, *, bucket_size, bits, W):
-    """Split the elements ``flat`` (1-D), their ``meta`` and ``codes`` into the full
-    buckets, as ``([nb, B], [nb, W], [nb, B * bits / 8])`` views, and the partial last
-    bucket, as 1-D views; either is None where there is none."""
+    """Split the elements ``flat`` (1-D), their ``meta`` and ``codes`` into ``whole``, the
+    full buckets as ``([nb, B], [nb, W], [nb, B * bits / 8])`` views (None unless there
+    are two or more), and ``singles``, the buckets to go one at a time, as 1-D views
+    ``(elements, meta, codes, first element index)``: the partial last bucket and a
+    lone full one. (Dynamo specializes sizes 0 and 1, so a [1, B] call of the full
+    buckets' graph would compile a second graph: seconds, on two cores.)"""
     B = bucket_size
     full = flat.numel() // B
     nbytes = full * B * bits // 8  # bucket sizes are multiples of 8: whole bytes
-    whole = tail = None
-    if full:
+    whole, singles = None, []
+    if full >= 2:
         whole = (flat[: full * B].view(full, B), meta[: full * W].view(full, W),
                  codes[:nbytes].view(full, B * bits // 8))
+    elif full == 1:
+        singles.append((flat[:B], meta[:W], codes[:nbytes], 0))
     if full * B < flat.numel():
-        tail = (flat[full * B:], meta[full * W:], codes[nbytes:])
-    return whole, tail
+        singles.append((flat[full * B:], meta[full * W:], codes[nbytes:], full * B))
+    return whole, singles
+
+
+def _encode_single(encode, x, meta_out, codes_out, start, *, key, divisor, bucket_size,
+                   bits):
+    """One bucket of ``n <= B`` elements (1-D, first index ``start``) through the compiled
+    ``encode`` (:func:`encode_bucket`): copied into a zeroed B-element fp32 buffer
+    (exact from bf16/fp16), so that graph has fixed shapes and one compile serves every
+    length and dtype (a partial bucket's length is new with almost every tensor size:
+    each a recompile of ~5-20 s at first, then a second, dynamic graph). The length and
+    start go in as 0-d tensors, data to the graph; codes beyond the bucket's are
+    dropped."""
+    B = bucket_size
+    n = x.numel()
+    padded = torch.zeros(B, dtype=torch.float32, device=x.device)
+    padded[:n].copy_(x)
+    whole = codes_out.numel() == B * bits // 8
+    codes = codes_out if whole else torch.empty(B * bits // 8, dtype=torch.uint8,
+                                                device=x.device)
+    encode(padded, meta_out, codes, length=torch.tensor(n, device=x.device),
+           start=torch.tensor(start, dtype=torch.int64, device=x.device), key=key,
+           divisor=divisor)
+    if not whole:
+        codes_out.copy_(codes[: codes_out.numel()])
 
 
 def encode_buckets(x, meta_out, lo_out, hi_out, *, key, divisor, bits, bucket_size, sid,
@@ -290,17 +318,17 @@ def pack_buckets(*codes, codes_out, bits):
     codes_out.copy_(pack_codes(codes[0] if len(codes) == 1 else torch.cat(codes, dim=1), bits))
 
 
-def encode_tail(x, meta_out, codes_out, *, start, key, divisor, bucket_size, bits, sid, l2,
-                stochastic, wide):
-    """Quantize the partial last bucket ``x`` (1-D, < B elements, first index ``start``)
-    into ``meta_out`` [W] and ``codes_out`` [ceil(len / 8) * bits]: padded to a bucket
-    and masked, on its own (masks over the whole tensor cost 6x: 13.7 GB/s without
-    against 2.3 GB/s with, minmax 8 bits, 2^24 elements, 2 cores, Inductor)."""
+def encode_bucket(x, meta_out, codes_out, *, length, start, key, divisor, bucket_size, bits,
+                  sid, l2, stochastic, wide):
+    """Quantize one bucket: the first ``length`` (0-d tensor) elements of ``x`` (fp32
+    [B], zeros after them; first index ``start``, 0-d) into ``meta_out`` [W] and
+    ``codes_out`` [B * bits / 8], codes past ``length`` 0. Masked, on its own (masks over
+    the whole tensor cost 6x: 13.7 GB/s without against 2.3 GB/s with, minmax 8 bits,
+    2^24 elements, 2 cores, Inductor)."""
     B = bucket_size
-    rest = x.numel()
     pos = torch.arange(B, device=x.device)
-    valid = (pos < rest).view(1, B)
-    padded = torch.nn.functional.pad(x.to(torch.float32), (0, B - rest)).view(1, B)
+    valid = (pos < length).view(1, B)
+    padded = x.view(1, B)
     meta, per = _bucket_stats(padded, valid, sid=sid, bits=bits, l2=l2, divisor=divisor)
     if stochastic:
         index = start.to(torch.int64 if wide else torch.int32) + pos.to(torch.int32)
@@ -309,7 +337,11 @@ def encode_tail(x, meta_out, codes_out, *, start, key, divisor, bucket_size, bit
         thr = 0.5
     codes = torch.where(valid, _codes(padded, per, thr, sid=sid, bits=bits), 0.0)
     meta_out.copy_(meta.reshape(-1))
-    codes_out.copy_(pack_codes(codes.reshape(-1)[: -(-rest // 8) * 8].to(torch.uint8), bits))
+    codes_out.copy_(pack_codes(codes.reshape(-1).to(torch.uint8), bits))
+
+
+# Fixed shapes: the codec compiles these without dynamic sizes (one graph per configuration)
+encode_bucket.static_shapes = True
 
 
 def _bucket_stats(xp, valid, *, sid, bits, l2, divisor):
@@ -542,8 +574,10 @@ def dequantize_reference(
     """Decode into ``out`` (contiguous, ``numel`` elements; cast to its dtype), or with
     ``accumulate`` add the fp32 decode into it; returns ``out``.
 
-    As :func:`quantize_reference`, two calls through ``wrap``: :func:`decode_buckets` on
-    the full buckets as ``[nb, B]`` views, :func:`decode_tail` on the partial last one.
+    As :func:`quantize_reference`, two kinds of call through ``wrap``:
+    :func:`decode_buckets` on the full buckets as ``[nb, B]`` views, :func:`decode_bucket`
+    on one bucket at a time (the partial last one; a lone full one) into a B-element
+    fp32 buffer, stored from there.
     ``staged``: decode that many buckets at a time into an fp32 buffer and convert from
     there into ``out`` (the codec's CPU path for 16-bit outputs on AVX-512; not with
     accumulate). ``group``: codes per lane group of the full buckets' word decode, None
@@ -557,29 +591,28 @@ def dequantize_reference(
     if group == "auto":  # (on a GPU, Inductor writes Triton: the 16-lane shapes stay)
         group = lane_group(bits, B, torch.float32 if staged else out.dtype,
                            lanes=None if out.device.type == "cpu" else 16)
-    static = dict(bits=bits, bucket_size=B, sid=sid, accumulate=accumulate)
-    whole, tail = _pieces(out.view(-1), meta, codes, bucket_size=B, bits=bits,
-                          W=meta_words(sid))
-    run_whole = wrap(decode_buckets, group=group, **static)
-    run_tail = wrap(decode_tail, **static)
-    if staged is None:
-        if whole:
-            run_whole(whole[1], whole[2], whole[0])
-        if tail:
-            run_tail(tail[1], tail[2], tail[0])
-        return out
-    buf = torch.empty(min(out.numel(), staged * B), dtype=torch.float32, device=out.device)
-    if whole:
+    whole, singles = _pieces(out.view(-1), meta, codes, bucket_size=B, bits=bits,
+                             W=meta_words(sid))
+    run_whole = wrap(decode_buckets, group=group, bits=bits, bucket_size=B, sid=sid,
+                     accumulate=accumulate)
+    # dtype- and accumulate-free: one graph per configuration (_decode_single stores)
+    run_single = wrap(decode_bucket, bits=bits, bucket_size=B, sid=sid)
+    if whole and staged is None:
+        run_whole(whole[1], whole[2], whole[0])
+    elif whole:
         o, m, c = whole
+        buf = torch.empty(min(o.shape[0], staged) * B, dtype=torch.float32,
+                          device=out.device)
         for r in range(0, o.shape[0], staged):
-            tmp = buf[: o[r:r + staged].numel()].view(-1, B)
+            part = o[r:r + staged]
+            if part.shape[0] == 1:  # as in _pieces: [1, B] would be another graph
+                singles.append((part[0], m[r], c[r], None))
+                continue
+            tmp = buf[: part.numel()].view(-1, B)
             run_whole(m[r:r + staged], c[r:r + staged], tmp)
-            o[r:r + staged].copy_(tmp)
-    if tail:
-        o, m, c = tail
-        tmp = buf[: o.numel()]
-        run_tail(m, c, tmp)
-        o.copy_(tmp)
+            part.copy_(tmp)
+    for o, m, c, _ in singles:
+        _decode_single(run_single, m, c, o, bucket_size=B, bits=bits, accumulate=accumulate)
     return out
 
 
@@ -598,13 +631,35 @@ def decode_buckets(meta, codes, out, *, bits, bucket_size, sid, accumulate, grou
     store(out, y, accumulate)
 
 
-def decode_tail(meta, codes, out, *, bits, bucket_size, sid, accumulate):
-    """Decode the partial last bucket: ``out`` (1-D, < B elements) from its ``meta`` [W]
-    and ``codes`` [ceil(len / 8) * bits]."""
-    rest = out.numel()
-    k = unpack_codes(codes, bits)[:rest]
-    store(out, _decode_buckets(meta.view(1, -1), k.view(1, rest), bits=bits, sid=sid).view(-1),
-           accumulate)
+def _decode_single(decode, meta, codes, out, *, bucket_size, bits, accumulate):
+    """One bucket of ``out.numel() <= B`` elements (1-D) through the compiled ``decode``
+    (:func:`decode_bucket`) into a B-element fp32 buffer, then stored (cast or added)
+    into ``out``: fixed shapes, one graph for every length, dtype and ``accumulate``
+    (as :func:`_encode_single`). The same values: the graph computes each in fp32,
+    and one cast or one fp32 add follows, here as there."""
+    B = bucket_size
+    nbytes = B * bits // 8
+    if codes.numel() < nbytes:
+        full = torch.zeros(nbytes, dtype=torch.uint8, device=codes.device)
+        full[: codes.numel()].copy_(codes)
+        codes = full
+    if out.numel() == B and out.dtype == torch.float32 and not accumulate:
+        decode(meta, codes, out)  # a lone full bucket into fp32: no buffer
+        return
+    y = torch.empty(B, dtype=torch.float32, device=out.device)
+    decode(meta, codes, y)
+    store(out, y[: out.numel()], accumulate)
+
+
+def decode_bucket(meta, codes, out, *, bits, bucket_size, sid):
+    """Decode one bucket: ``codes`` [B * bits / 8] under ``meta`` [W] into fp32 ``out``
+    [B] (the codes past a partial bucket's end are zeros: values to be dropped)."""
+    k = unpack_codes(codes, bits)
+    out.copy_(_decode_buckets(meta.view(1, -1), k.view(1, bucket_size), bits=bits,
+                              sid=sid).view(-1))
+
+
+decode_bucket.static_shapes = True
 
 
 def store(dst: torch.Tensor, y: torch.Tensor, accumulate: bool) -> None:

@@ -446,9 +446,9 @@ def test_uniform_pairs_halves_against_formula():
 
 
 def test_quantize_paths_agree_on_the_pairing():
-    """The full-bucket graph (halves as views, one hash per pair), the partial-bucket
+    """The full-bucket graph (halves as views, one hash per pair), the one-bucket
     graph (the per-element formula) and int32 / int64 counters give the same codes:
-    the last bucket of a tensor, quantized whole and as a tail, decodes the same."""
+    the last bucket of a tensor, quantized with the others and alone, the same bytes."""
     from qcomm import reference as R
 
     x = torch.randn(4 * 64)
@@ -458,8 +458,9 @@ def test_quantize_paths_agree_on_the_pairing():
     full = torch.empty(4, 64, dtype=torch.uint8)
     for wide in (False, True):
         R.encode_buckets(x.view(4, 64), meta, full[:, :32], full[:, 32:], wide=wide, **kw)
-        codes = torch.empty(3 * 64 * 4 // 8, dtype=torch.uint8)
+        codes = torch.empty(32, dtype=torch.uint8)
         tmeta = torch.empty(2)
-        R.encode_tail(x[192:], tmeta, codes[:32], start=torch.tensor(192), wide=wide, **kw)
+        R.encode_bucket(x[192:], tmeta, codes, length=torch.tensor(64),
+                        start=torch.tensor(192), wide=wide, **kw)
         assert torch.equal(tmeta, meta[3])
-        assert torch.equal(codes[:32], R.pack_codes(full[3], 4))
+        assert torch.equal(codes, R.pack_codes(full[3], 4))

@@ -176,10 +176,17 @@ def test_triton_input_untouched():
     ids=["minmax8-fp32", "minmax4-fp32", "nuq4-bf16", "maxnorm3-l2-fp16", "minmax8-b40-bf16"],
 )
 def test_compiled_torch_path_matches_eager(cfg, dtype, monkeypatch):
+    from torch._dynamo.utils import counters
+
     monkeypatch.setenv("QCOMM_COMPILE", "1")
     # Dynamic lengths, with and without a partial last bucket: whole-bucket sizes after a
     # first compile once hit an Inductor lowering error (a reshape of a symbolic arange).
-    for n in (512, 256, 515, 2048, 1024, 2051, 8192, 5000):
+    # The first six lengths reach every graph (one bucket, full or partial; several);
+    # the last two are new lengths of each kind and must compile nothing (the partial
+    # bucket's graph once recompiled for each new tail length, a lone bucket's for nb=1).
+    for i, n in enumerate((512, 256, 515, 2048, 1024, 2051, 8192, 5000)):
+        if i == 6:
+            graphs = counters["stats"]["unique_graphs"]
         x = gradient_like(n, dtype, seed=n).cpu()
         a = quantize(x, cfg, seed=9, impl="torch")
         b = quantize(x, cfg, seed=9, impl="eager")
@@ -191,6 +198,7 @@ def test_compiled_torch_path_matches_eager(cfg, dtype, monkeypatch):
         dequantize(a, out=acc, accumulate=True, impl="torch")
         dequantize(b, out=acc_eager, accumulate=True, impl="eager")
         assert same_bits(acc, acc_eager)
+    assert counters["stats"]["unique_graphs"] == graphs, "a new length compiled a new graph"
 
 
 def test_kernels_compile_for_hopper():
