@@ -457,10 +457,32 @@ def test_quantize_paths_agree_on_the_pairing():
     meta = torch.empty(4, 2)
     full = torch.empty(4, 64, dtype=torch.uint8)
     for wide in (False, True):
-        R.encode_buckets(x.view(4, 64), meta, full[:, :32], full[:, 32:], wide=wide, **kw)
+        R.encode_buckets(x.view(4, 64), meta, full[:, :32], full[:, 32:], wide=wide,
+                         first=torch.tensor(0), **kw)
+        # a chunk of the buckets: the same bytes as in the whole
+        part = torch.empty(2, 64, dtype=torch.uint8)
+        R.encode_buckets(x.view(4, 64)[1:3], torch.empty(2, 2), part[:, :32], part[:, 32:],
+                         wide=wide, first=torch.tensor(1), **kw)
+        assert torch.equal(part, full[1:3])
         codes = torch.empty(32, dtype=torch.uint8)
         tmeta = torch.empty(2)
         R.encode_bucket(x[192:], tmeta, codes, length=torch.tensor(64),
                         start=torch.tensor(192), wide=wide, **kw)
         assert torch.equal(tmeta, meta[3])
         assert torch.equal(codes, R.pack_codes(full[3], 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [8, 4, 3])
+def test_chunked_encode_gives_the_same_bytes(bits, dtype, monkeypatch):
+    """Byte buffers go ENCODE_CHUNK elements at a time; chunks of 3 buckets over 7 full
+    ones and a tail (a lone last bucket goes alone) give the bytes of one pass."""
+    from qcomm import reference as R
+
+    B = 64
+    cfg = QuantConfig(bits=bits, bucket_size=B)
+    x = (torch.randn(7 * B + 5) * 3).to(dtype)
+    whole = quantize(x, cfg, seed=3, impl="eager").payload
+    monkeypatch.setattr(R, "ENCODE_CHUNK", 3 * B)
+    chunked = quantize(x, cfg, seed=3, impl="eager").payload
+    assert torch.equal(chunked, whole)
