@@ -314,10 +314,11 @@ ENCODE_CHUNK = 1 << 24
 def encode_buckets(x, meta_out, lo_out, hi_out, *, first, key, divisor, bits, bucket_size,
                    sid, l2, stochastic, wide):
     """Quantize full buckets ``x`` [nb, B] (the first one bucket number ``first``, a 0-d
-    tensor: element indices from ``first * B``) into ``meta_out`` [nb, W] and the codes, one byte each, of each bucket's two halves: into ``lo_out``
-    and ``hi_out`` [nb, B / 2] (views) if given, else returned as two new tensors.
-    ``bucket_size`` (B) is not read: it keys the codec's compile cache, as every static
-    argument of these pieces does."""
+    tensor: element indices from ``first * B``) into ``meta_out`` [nb, W] and the codes,
+    one byte each, of each bucket's two halves: into ``lo_out`` and ``hi_out``
+    [nb, B / 2] (views) if given, else returned as two new tensors. ``bucket_size`` (B)
+    is not read: it keys the codec's compile cache, as every static argument of these
+    pieces does."""
     nb, B = x.shape
     H = B // 2
     xf = x.to(torch.float32)
