@@ -472,17 +472,20 @@ def test_quantize_paths_agree_on_the_pairing():
         assert torch.equal(codes, R.pack_codes(full[3], 4))
 
 
+@pytest.mark.parametrize("scheme", ["minmax", "nuq"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [8, 4, 3])
-def test_chunked_encode_gives_the_same_bytes(bits, dtype, monkeypatch):
-    """Byte buffers go ENCODE_CHUNK elements at a time; chunks of 3 buckets over 7 full
-    ones and a tail (a lone last bucket goes alone) give the bytes of one pass."""
+def test_chunked_encode_gives_the_same_bytes(bits, dtype, scheme, monkeypatch):
+    """Byte buffers go ENCODE_CHUNK elements at a time, nuq from bf16 through fp32
+    CONVERT_CHUNK at a time; chunks of 3 buckets over 7 full ones and a tail (a lone
+    last bucket goes alone) give the bytes of one pass."""
     from qcomm import reference as R
 
     B = 64
-    cfg = QuantConfig(bits=bits, bucket_size=B)
+    cfg = QuantConfig(bits=bits, bucket_size=B, scheme=scheme)
     x = (torch.randn(7 * B + 5) * 3).to(dtype)
     whole = quantize(x, cfg, seed=3, impl="eager").payload
     monkeypatch.setattr(R, "ENCODE_CHUNK", 3 * B)
+    monkeypatch.setattr(R, "CONVERT_CHUNK", 3 * B)
     chunked = quantize(x, cfg, seed=3, impl="eager").payload
     assert torch.equal(chunked, whole)
