@@ -26,6 +26,7 @@ measurements. Every such choice computes the same bits.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
@@ -228,20 +229,17 @@ def quantize_reference(
         via32 = x.dtype != torch.float32 and sid == 2
         fp32 = x.dtype == torch.float32 or via32
         direct = fp32 and bits == 8
-        step = (max(2, CONVERT_CHUNK // B) if via32 else nb if direct
-                else max(2, ENCODE_CHUNK // B))
+        chunks = _row_chunks(nb, CONVERT_CHUNK // B if via32 else nb if direct
+                             else ENCODE_CHUNK // B)
+        most = max(stop - start for start, stop in chunks) * B  # buffer elements
         scratch = buf32 = None
-        for r in range(0, nb, step):
-            rows = slice(r, min(r + step, nb))
-            if rows.stop - r == 1:  # a lone last bucket: as in _pieces
-                singles.append((xw[r], mw[r], cw[r], r * B))
-                continue
+        for r, stop in chunks:
+            rows = slice(r, stop)
             first = torch.tensor(r, dtype=torch.int64, device=x.device)
             src = xw[rows]
             if via32:
                 if buf32 is None:
-                    buf32 = torch.empty(min(step, nb) * B, dtype=torch.float32,
-                                       device=x.device)
+                    buf32 = torch.empty(most, dtype=torch.float32, device=x.device)
                 src = buf32[: src.numel()].view(-1, B)
                 src.copy_(xw[rows])
             if direct:
@@ -250,8 +248,7 @@ def quantize_reference(
                 continue
             if fp32:
                 if scratch is None:
-                    scratch = torch.empty(min(step, nb) * B, dtype=torch.uint8,
-                                          device=x.device)
+                    scratch = torch.empty(most, dtype=torch.uint8, device=x.device)
                 dest = scratch[: src.numel()].view(-1, B)
                 encode(src, mw[rows], dest[:, :H], dest[:, H:], first=first, key=key,
                        divisor=divisor)
@@ -289,6 +286,16 @@ def _pieces(flat, meta, codes, *, bucket_size, bits, W):
     if full * B < flat.numel():
         singles.append((flat[full * B:], meta[full * W:], codes[nbytes:], full * B))
     return whole, singles
+
+
+def _row_chunks(nb: int, step: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges of at most ``step`` + 1 of ``nb >= 2`` bucket rows, none of
+    one row: a lone last row joins the chunk before it (as in :func:`_pieces`, a [1, B]
+    call would compile a second graph)."""
+    bounds = [*range(0, nb, max(2, step)), nb]
+    if bounds[-1] - bounds[-2] == 1:
+        del bounds[-2]
+    return list(itertools.pairwise(bounds))
 
 
 def _encode_single(encode, x, meta_out, codes_out, start, *, key, divisor, bucket_size,
@@ -647,16 +654,13 @@ def dequantize_reference(
         run_whole(whole[1], whole[2], whole[0])
     elif whole:
         o, m, c = whole
-        buf = torch.empty(min(o.shape[0], staged) * B, dtype=torch.float32,
+        chunks = _row_chunks(o.shape[0], staged)
+        buf = torch.empty(max(stop - r for r, stop in chunks) * B, dtype=torch.float32,
                           device=out.device)
-        for r in range(0, o.shape[0], staged):
-            part = o[r:r + staged]
-            if part.shape[0] == 1:  # as in _pieces: [1, B] would be another graph
-                singles.append((part[0], m[r], c[r], None))
-                continue
-            tmp = buf[: part.numel()].view(-1, B)
-            run_whole(m[r:r + staged], c[r:r + staged], tmp)
-            part.copy_(tmp)
+        for r, stop in chunks:
+            tmp = buf[: (stop - r) * B].view(-1, B)
+            run_whole(m[r:stop], c[r:stop], tmp)
+            o[r:stop].copy_(tmp)
     for o, m, c, _ in singles:
         _decode_single(run_single, m, c, o, bucket_size=B, bits=bits, accumulate=accumulate)
     return out

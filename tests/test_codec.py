@@ -120,6 +120,11 @@ def test_dequantize_same_at_every_group(scheme, bits):
                                             torch.int32),
                                    want.view(torch.int16 if dtype != torch.float32 else
                                              torch.int32)), (dtype, group)
+        for staged in (1, 2, 4):  # through an fp32 buffer, that many buckets at a time
+            got = dequantize_reference(p.meta(), p.codes(), torch.empty(x.numel(), dtype=dtype),
+                                       staged=staged, **kw)
+            ints = torch.int16 if dtype != torch.float32 else torch.int32
+            assert torch.equal(got.view(ints), want.view(ints)), (dtype, staged)
     acc = torch.ones(x.numel())
     dequantize_reference(p.meta(), p.codes(), acc, accumulate=True, group=32, **kw)
     assert torch.equal(acc, 1.0 + dequantize(p, impl=EAGER))
@@ -470,6 +475,15 @@ def test_quantize_paths_agree_on_the_pairing():
                         start=torch.tensor(192), wide=wide, **kw)
         assert torch.equal(tmeta, meta[3])
         assert torch.equal(codes, R.pack_codes(full[3], 4))
+
+
+def test_row_chunks_never_leave_one_row():
+    from qcomm.reference import _row_chunks
+
+    assert _row_chunks(7, 3) == [(0, 3), (3, 7)]  # the lone 7th row joins the chunk before
+    assert _row_chunks(8, 3) == [(0, 3), (3, 6), (6, 8)]
+    assert _row_chunks(2, 16) == [(0, 2)]
+    assert _row_chunks(5, 1) == [(0, 2), (2, 5)]  # steps of one row would all be lone
 
 
 @pytest.mark.parametrize("scheme", ["minmax", "nuq"])
