@@ -1,0 +1,61 @@
+"""CPU quantize throughput for side-by-side runs of two trees (run once per tree,
+alternating, from /tmp with PYTHONPATH set to the tree; README.md has each command).
+G elements/s, best of a few calls after one warm-up, 1 thread, the compiled path.
+
+    side_by_side.py chunks          every dtype, size, scheme and bits of the chunking
+                                    comparison, as one JSON line
+    side_by_side.py fp32-8bit LABEL minmax, maxnorm, nuq 8-bit from fp32 at 2^24
+    side_by_side.py nuq-bf16 LABEL  nuq 8/4/2-bit from bf16 at 2^24 and 2^26
+"""
+
+import json
+import sys
+import time
+
+import torch
+
+from qcomm import QuantConfig, packed_nbytes, quantize
+
+
+def rate(x: torch.Tensor, cfg: QuantConfig, calls: int) -> float:
+    """G elements/s of the best of ``calls`` quantize calls into one payload buffer."""
+    out = torch.empty(packed_nbytes(x.numel(), cfg), dtype=torch.uint8)
+    quantize(x, cfg, out=out)
+    best = float("inf")
+    for _ in range(calls):
+        t = time.perf_counter()
+        quantize(x, cfg, out=out)
+        best = min(best, time.perf_counter() - t)
+    return x.numel() / best / 1e9
+
+
+def main(mode: str, label: str = "") -> None:
+    torch.set_num_threads(1)
+    if mode == "chunks":
+        res = {}
+        for dt in (torch.float32, torch.bfloat16):
+            for lg in (24, 26):
+                x = torch.randn(1 << lg).to(dt)
+                for scheme in ("minmax", "nuq"):
+                    for bits in (2, 4, 8):
+                        res[f"{str(dt)[6:]} 2^{lg} {scheme}{bits}"] = rate(
+                            x, QuantConfig(bits=bits, scheme=scheme), 3)
+        print(json.dumps(res))
+    elif mode == "fp32-8bit":
+        x = torch.randn(1 << 24)
+        print(f"{label:5s}", *(f"{s}8 {rate(x, QuantConfig(bits=8, scheme=s), 10):.3f}"
+                               for s in ("minmax", "maxnorm", "nuq")))
+    elif mode == "nuq-bf16":
+        res = []
+        for lg in (24, 26):
+            x = torch.randn(1 << lg).bfloat16()
+            for bits in (8, 4, 2):
+                r = rate(x, QuantConfig(bits=bits, scheme="nuq"), 3 if lg == 26 else 6)
+                res.append(f"2^{lg}/{bits}: {r:.3f}")
+        print(f"{label:5s}", *res)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}: chunks, fp32-8bit or nuq-bf16")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
