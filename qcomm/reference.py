@@ -141,15 +141,17 @@ def divisor_for(scheme_id: int, bits: int) -> float:
 
 
 def _round_codes(t: torch.Tensor, thr: torch.Tensor | float, top: int) -> torch.Tensor:
-    """Round level position ``t >= 0`` up when its fraction exceeds ``thr``; clamp to
-    ``[0, top]``. fp32 throughout: the codes are small integers, exact in fp32, and the
-    same values as the kernels' int32 arithmetic, but converting to uint8 straight from
-    fp32 is one instruction on AVX2 where int32 -> uint8 has no vector conversion in
+    """Round level position ``t >= 0`` (NaN-free) up when its fraction exceeds ``thr``;
+    clamp to ``top``. fp32 throughout: the codes are small integers, exact in fp32, and
+    the same values as the kernels' int32 arithmetic, but converting to uint8 straight
+    from fp32 is one instruction on AVX2 where int32 -> uint8 has no vector conversion in
     Inductor's C++ (a loop through a buffer): 8-bit code stores 0.92 G elements/s from
-    int32, 2.39 from fp32 (Zen 3, 1 thread)."""
+    int32, 2.39 from fp32 (Zen 3, 1 thread). Selects, not ``lo + (frac > thr)`` and
+    ``clamp``: a compare and a blend each, where the bool-to-float add took four AVX2
+    instructions and ``clamp`` six (its NaN propagation: ``t`` has none)."""
     lo = torch.floor(t)
-    up = (t - lo > thr).to(torch.float32)
-    return torch.clamp(lo + up, 0.0, float(top))
+    v = torch.where(t - lo > thr, lo + 1.0, lo)
+    return torch.where(v > top, float(top), v)
 
 
 def eager(fn, **static):
@@ -229,6 +231,7 @@ def quantize_reference(
         via32 = x.dtype != torch.float32 and sid == 2
         fp32 = x.dtype == torch.float32 or via32
         direct = fp32 and bits == 8
+        pos = positions(H, x.device)
         chunks = _row_chunks(nb, CONVERT_CHUNK // B if via32 else nb if direct
                              else ENCODE_CHUNK // B)
         most = max(stop - start for start, stop in chunks) * B  # buffer elements
@@ -243,18 +246,18 @@ def quantize_reference(
                 src = buf32[: src.numel()].view(-1, B)
                 src.copy_(xw[rows])
             if direct:
-                encode(src, mw[rows], cw[rows, :H], cw[rows, H:], first=first, key=key,
+                encode(src, mw[rows], cw[rows, :H], cw[rows, H:], pos, first=first, key=key,
                        divisor=divisor)
                 continue
             if fp32:
                 if scratch is None:
                     scratch = torch.empty(most, dtype=torch.uint8, device=x.device)
                 dest = scratch[: src.numel()].view(-1, B)
-                encode(src, mw[rows], dest[:, :H], dest[:, H:], first=first, key=key,
+                encode(src, mw[rows], dest[:, :H], dest[:, H:], pos, first=first, key=key,
                        divisor=divisor)
                 halves = (dest,)
             else:
-                halves = encode(src, mw[rows], None, None, first=first, key=key,
+                halves = encode(src, mw[rows], None, None, pos, first=first, key=key,
                                 divisor=divisor)
                 if bits == 8:
                     cw[rows, :H].copy_(halves[0])
@@ -336,14 +339,26 @@ ENCODE_CHUNK = 1 << 24
 CONVERT_CHUNK = 1 << 22
 
 
-def encode_buckets(x, meta_out, lo_out, hi_out, *, first, key, divisor, bits, bucket_size,
-                   sid, l2, stochastic, wide):
+@functools.cache
+def positions(n: int, device: torch.device) -> torch.Tensor:
+    """``0, 1, ..., n - 1`` as fp32 [1, n] on ``device`` (cached): the hash counters'
+    offsets within a bucket half, passed into the compiled quantize as data. From
+    ``torch.arange`` in the graph, Inductor's AVX2 C++ built each vector of 8 from
+    scalars (17 instructions); an fp32 load and a conversion are 2, and an int32 load
+    goes through a buffer (see :func:`unpack_words`). 8-bit fp32 code loop per 16
+    elements, Zen 3: 107 -> 80 instructions (minmax), 105 -> 80 (maxnorm), 140 -> 111
+    (nuq), with :func:`_round_codes`' selects."""
+    return torch.arange(n, dtype=torch.float32, device=device).view(1, n)
+
+
+def encode_buckets(x, meta_out, lo_out, hi_out, pos, *, first, key, divisor, bits,
+                   bucket_size, sid, l2, stochastic, wide):
     """Quantize full buckets ``x`` [nb, B] (the first one bucket number ``first``, a 0-d
     tensor: element indices from ``first * B``) into ``meta_out`` [nb, W] and the codes,
     one byte each, of each bucket's two halves: into ``lo_out`` and ``hi_out``
-    [nb, B / 2] (views) if given, else returned as two new tensors. ``bucket_size`` (B)
-    is not read: it keys the codec's compile cache, as every static argument of these
-    pieces does."""
+    [nb, B / 2] (views) if given, else returned as two new tensors. ``pos`` is
+    :func:`positions` of B / 2. ``bucket_size`` (B) is not read: it keys the codec's
+    compile cache, as every static argument of these pieces does."""
     nb, B = x.shape
     H = B // 2
     xf = x.to(torch.float32)
@@ -352,7 +367,7 @@ def encode_buckets(x, meta_out, lo_out, hi_out, *, first, key, divisor, bits, bu
     if stochastic:
         itype = torch.int64 if wide else torch.int32
         bucket = first.to(itype) + torch.arange(nb, device=x.device, dtype=itype)
-        counter = bucket[:, None] * H + torch.arange(H, device=x.device, dtype=itype)
+        counter = bucket[:, None] * H + pos.to(itype)
         h = pair_hash(counter, key)
         thr_lo, thr_hi = 1.0 - half_uniform(h, False), 1.0 - half_uniform(h, True)
     else:
@@ -447,7 +462,10 @@ def _codes(x, per, thr, *, sid, bits):
     without reading a fifth number per element: Inductor stores a full-size temporary
     of any value read twice that reads more than 4 (``realize_reads_threshold``), and
     the rounding reads the level position twice. (bf16 8-bit: 0.48 G elements/s with
-    the temporary.)"""
+    the temporary.) Min-max positions are >= 0 (``x - min >= 0``, ``s, inv >= 0``) or
+    NaN; maxnorm's may dip below 0 by rounding, and ``where(t > 0, t, 0)`` maps those
+    and NaN to 0 in one select, the code a clamp at 0 gave them (any ``t < 0`` rounds
+    to -1 or 0 and was clamped to 0)."""
     L = levels(sid, bits)
     offset, s, inv, level = per[:, 0:1], per[:, 1:2], per[:, 2:3], per[:, 3:4]
     if sid == 0:  # minmax: x = min + k * step
@@ -455,18 +473,18 @@ def _codes(x, per, thr, *, sid, bits):
         return _round_codes(torch.where(t == t, t, 0.0), thr, L - 1)
     if sid == 1:  # maxnorm: x = (k - c) * step, c = (L - 1) / 2
         t = (x * s) * inv + level
-        return _round_codes(torch.where(t == t, t, 0.0), thr, L - 1)
+        return _round_codes(torch.where(t > 0.0, t, 0.0), thr, L - 1)
     # nuq: sign bit, level j in 0..M: 0 or 2^-(M - j)
     M = L - 1
     r = (x.abs() * s) * inv
-    r = torch.clamp(torch.where(r == r, r, 0.0), max=1.0)
+    r = torch.where(r > 1.0, 1.0, torch.where(r > 0.0, r, 0.0))
     ebits = (r.view(torch.int32) >> 23) & 0xFF  # r >= 0: the sign bit is 0
     mant = (r.view(torch.int32) & 0x7FFFFF).to(torch.float32)
     geometric = ebits >= 127 - (M - 1)  # r >= 2^-(M-1), the smallest level
     j_lo = torch.where(geometric, ebits - 127 + M, 0).to(torch.float32)
     frac = torch.where(geometric, mant * (1.0 / 8388608.0), r * float(2.0 ** (M - 1)))
-    j = torch.clamp(j_lo + (frac > thr).to(torch.float32), max=float(M))
-    return j + (x < 0).to(torch.float32) * float(1 << (bits - 1))
+    j = torch.where(frac > thr, j_lo + 1.0, j_lo)  # <= M: r <= 1, and r = 1 has frac 0
+    return torch.where(x < 0, j + float(1 << (bits - 1)), j)
 
 
 # Steps below TINY are scaled by BOOST before their reciprocal is taken: 1 / 2^-100 is

@@ -462,12 +462,13 @@ def test_quantize_paths_agree_on_the_pairing():
     meta = torch.empty(4, 2)
     full = torch.empty(4, 64, dtype=torch.uint8)
     for wide in (False, True):
-        R.encode_buckets(x.view(4, 64), meta, full[:, :32], full[:, 32:], wide=wide,
+        pos = R.positions(32, x.device)
+        R.encode_buckets(x.view(4, 64), meta, full[:, :32], full[:, 32:], pos, wide=wide,
                          first=torch.tensor(0), **kw)
         # a chunk of the buckets: the same bytes as in the whole
         part = torch.empty(2, 64, dtype=torch.uint8)
         R.encode_buckets(x.view(4, 64)[1:3], torch.empty(2, 2), part[:, :32], part[:, 32:],
-                         wide=wide, first=torch.tensor(1), **kw)
+                         pos, wide=wide, first=torch.tensor(1), **kw)
         assert torch.equal(part, full[1:3])
         codes = torch.empty(32, dtype=torch.uint8)
         tmeta = torch.empty(2)
