@@ -231,7 +231,11 @@ def quantize_reference(
         via32 = x.dtype != torch.float32 and sid == 2
         fp32 = x.dtype == torch.float32 or via32
         direct = fp32 and bits == 8
-        pos = positions(H, x.device)
+        # fp32 graphs take the counters' offsets as data (positions); a bf16/fp16 graph
+        # is tiled 16 wide, where converting them to int32 went through a buffer (a
+        # store-forwarding stall: bf16 8-bit, 2^24, 0.57-0.60 -> 0.34-0.46 G elements/s),
+        # so it keeps the in-graph arange.
+        pos = positions(H, x.device) if fp32 else None
         chunks = _row_chunks(nb, CONVERT_CHUNK // B if via32 else nb if direct
                              else ENCODE_CHUNK // B)
         most = max(stop - start for start, stop in chunks) * B  # buffer elements
@@ -357,8 +361,9 @@ def encode_buckets(x, meta_out, lo_out, hi_out, pos, *, first, key, divisor, bit
     tensor: element indices from ``first * B``) into ``meta_out`` [nb, W] and the codes,
     one byte each, of each bucket's two halves: into ``lo_out`` and ``hi_out``
     [nb, B / 2] (views) if given, else returned as two new tensors. ``pos`` is
-    :func:`positions` of B / 2. ``bucket_size`` (B) is not read: it keys the codec's
-    compile cache, as every static argument of these pieces does."""
+    :func:`positions` of B / 2, or None (an arange in the graph). ``bucket_size`` (B)
+    is not read: it keys the codec's compile cache, as every static argument of these
+    pieces does."""
     nb, B = x.shape
     H = B // 2
     xf = x.to(torch.float32)
@@ -367,7 +372,9 @@ def encode_buckets(x, meta_out, lo_out, hi_out, pos, *, first, key, divisor, bit
     if stochastic:
         itype = torch.int64 if wide else torch.int32
         bucket = first.to(itype) + torch.arange(nb, device=x.device, dtype=itype)
-        counter = bucket[:, None] * H + pos.to(itype)
+        within = (torch.arange(H, device=x.device, dtype=itype) if pos is None
+                  else pos.to(itype))
+        counter = bucket[:, None] * H + within
         h = pair_hash(counter, key)
         thr_lo, thr_hi = 1.0 - half_uniform(h, False), 1.0 - half_uniform(h, True)
     else:
