@@ -422,20 +422,20 @@ encode_bucket.static_shapes = True
 def _bucket_stats(xp, valid, *, sid, bits, l2, divisor):
     """Per-bucket statistics of buckets ``xp`` [nb, B] (fp32; ``valid`` masks the padding
     of a partial bucket, None: all valid): (meta [nb, W] as the payload stores it,
-    ``per``, what :func:`_codes` needs: offset, boost s, 1 / (step * s) and the level
-    offset c, the last two 0 in a bucket holding inf or NaN).
+    ``per``, what :func:`_codes` needs, four [nb, 1] tensors: offset, boost s,
+    1 / (step * s) and the level offset c, the last two 0 in a bucket holding inf or NaN).
 
-    For maxnorm and nuq ``per`` is one concatenated [nb, 4] tensor so that Inductor
-    stores it once per bucket and the per-element loop loads four numbers. Left as
-    expressions, they were inlined into that loop and recomputed every vector, two
-    divisions per 8 elements (the compiler cannot hoist them: the uint8 code stores may
-    alias the loads): 8-bit min-max quantize 0.51 -> 0.68 G elements/s (Zen 3, 1
-    thread). For minmax it is the four [nb, 1] expressions: recomputed so (96 instead
-    of 80 instructions per 16 elements), but with no concatenated buffer between them
-    Inductor fuses the statistics and the code loop into one loop over buckets, and the
-    code loop reads each bucket from L1 instead of a second pass through memory: min-max
-    quantize 1.07-1.23x at all 12 points of fp32/bf16, 2/4/8 bits, 2^24 and 2^26
-    (nuq 0.76-1.14x and maxnorm no better that way: their recomputation costs more)."""
+    For maxnorm and nuq they are columns of one concatenated [nb, 4] tensor so that
+    Inductor stores them once per bucket and the per-element loop loads four numbers.
+    Left as expressions, they were inlined into that loop and recomputed every vector,
+    two divisions per 8 elements (the compiler cannot hoist them: the uint8 code stores
+    may alias the loads): 8-bit min-max quantize 0.51 -> 0.68 G elements/s (Zen 3, 1
+    thread). For minmax they stay expressions: recomputed so (96 instead of 80
+    instructions per 16 elements), but with no concatenated buffer between them Inductor
+    fuses the statistics and the code loop into one loop over buckets, and the code loop
+    reads each bucket from L1 instead of a second pass through memory: min-max quantize
+    1.07-1.23x at all 12 points of fp32/bf16, 2/4/8 bits, 2^24 and 2^26 (nuq 0.76-1.14x
+    and maxnorm no better that way: their recomputation costs more)."""
     nan = torch.tensor(float("nan"), dtype=torch.float32, device=xp.device)
     # inf * 0 and NaN * 0 are NaN; finite * 0 is +-0: the sum is NaN iff the bucket
     # holds a non-finite value, whatever the summation order.
@@ -463,8 +463,10 @@ def _bucket_stats(xp, valid, *, sid, bits, l2, divisor):
     # buckets) and in bad ones.
     s = torch.where(step < TINY, BOOST, 1.0)
     inv = torch.where((step > 0) & ~bad, 1.0 / (step * s), 0.0)
-    per = (offset, s, inv, level)
-    return meta, per if sid == 0 else torch.cat(per, dim=1)
+    if sid != 0:
+        cat = torch.cat([offset, s, inv, level], dim=1)
+        offset, s, inv, level = (cat[:, i:i + 1] for i in range(4))
+    return meta, (offset, s, inv, level)
 
 
 def _codes(x, per, thr, *, sid, bits):
@@ -481,8 +483,6 @@ def _codes(x, per, thr, *, sid, bits):
     and NaN to 0 in one select, the code a clamp at 0 gave them (any ``t < 0`` rounds
     to -1 or 0 and was clamped to 0)."""
     L = levels(sid, bits)
-    if isinstance(per, torch.Tensor):
-        per = per[:, 0:1], per[:, 1:2], per[:, 2:3], per[:, 3:4]
     offset, s, inv, level = per
     if sid == 0:  # minmax: x = min + k * step
         t = ((x - offset) * s) * inv
