@@ -430,7 +430,7 @@ def _bucket_stats(xp, valid, *, sid, bits, l2, divisor):
     Left as expressions, they were inlined into that loop and recomputed every vector,
     two divisions per 8 elements (the compiler cannot hoist them: the uint8 code stores
     may alias the loads): 8-bit min-max quantize 0.51 -> 0.68 G elements/s (Zen 3, 1
-    thread). For minmax they stay expressions: recomputed so (96 instead of 80
+    thread). For minmax they stay expressions: recomputed so (96-102 instead of 80
     instructions per 16 elements), but with no concatenated buffer between them Inductor
     fuses the statistics and the code loop into one loop over buckets, and the code loop
     reads each bucket from L1 instead of a second pass through memory: min-max quantize

@@ -6,6 +6,13 @@ G elements/s, best of a few calls after one warm-up, 1 thread, the compiled path
                                     comparison, as one JSON line
     side_by_side.py fp32-8bit LABEL minmax, maxnorm, nuq 8-bit from fp32 at 2^24
     side_by_side.py nuq-bf16 LABEL  nuq 8/4/2-bit from bf16 at 2^24 and 2^26
+    side_by_side.py bf16 LABEL SCHEME BITS
+                                    SCHEME at BITS (a comma list) from bf16, 2^24 and
+                                    2^26, best of 5 calls
+    side_by_side.py overhead        median us per call of a toy compiled graph shaped
+                                    like the codec's (4 tensors written in place, a
+                                    0-d tensor, dynamic first dimension): torch's own
+                                    per-call cost, no qcomm code in it
 """
 
 import json
@@ -29,7 +36,7 @@ def rate(x: torch.Tensor, cfg: QuantConfig, calls: int) -> float:
     return x.numel() / best / 1e9
 
 
-def main(mode: str, label: str = "") -> None:
+def main(mode: str, label: str = "", scheme: str = "minmax", bits: str = "8,4") -> None:
     torch.set_num_threads(1)
     if mode == "chunks":
         res = {}
@@ -53,8 +60,34 @@ def main(mode: str, label: str = "") -> None:
                 r = rate(x, QuantConfig(bits=bits, scheme="nuq"), 3 if lg == 26 else 6)
                 res.append(f"2^{lg}/{bits}: {r:.3f}")
         print(f"{label:5s}", *res)
+    elif mode == "bf16":
+        res = []
+        for lg in (24, 26):
+            x = torch.randn(1 << lg).bfloat16()
+            for b in map(int, bits.split(",")):
+                res.append(f"2^{lg}/{b} {rate(x, QuantConfig(bits=b, scheme=scheme), 5):.3f}")
+        print(label, *res)
+    elif mode == "overhead":
+        def toy(a, b, c, d, k):
+            c.copy_(a * 2 + k)
+            d.copy_(b + k)
+
+        args = [torch.randn(8, 16), torch.randn(8, 16), torch.empty(8, 16),
+                torch.empty(8, 16), torch.tensor(3.0)]
+        for t in args[:4]:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        fn = torch.compile(toy, dynamic=False)
+        for _ in range(20):
+            fn(*args)
+        ts = []
+        for _ in range(2000):
+            t = time.perf_counter()
+            fn(*args)
+            ts.append(time.perf_counter() - t)
+        print(f"compiled toy graph: median {sorted(ts)[len(ts) // 2] * 1e6:.0f} us per call")
     else:
-        raise SystemExit(f"unknown mode {mode!r}: chunks, fp32-8bit or nuq-bf16")
+        raise SystemExit(f"unknown mode {mode!r}: chunks, fp32-8bit, nuq-bf16, bf16 or "
+                         "overhead")
 
 
 if __name__ == "__main__":
