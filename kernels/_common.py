@@ -12,9 +12,10 @@ import triton.language as tl
 # One program per bucket. Warps per program: one per 1024 elements, 1 to 8 (a 1024
 # bucket: one warp, 32 values per thread). Fewer threads per bucket means fewer
 # cross-warp reductions (shared memory and barriers) per element: compiled for sm_90,
-# the 8-bit min-max quantize kernel is 36.5 SASS instructions per element at 1 warp, 64
-# at 4 and 100 at 8 (static counts: `python tests/compile_for_gpu.py --sass`; 42, 65
-# and 100 before one hash served two elements), and at
+# the 8-bit min-max quantize kernel is 31.5 SASS instructions per element at 1 warp, 58
+# at 4 and 94 at 8 (static counts: `python tests/compile_for_gpu.py --sass`, triton 3.9;
+# 36.5, 64 and 100 before round_codes took floor(t + u), 42, 65 and 100 before one hash
+# served two elements), and at
 # ~33 T instructions/s an H200 must stay under ~60 per element to quantize fp32 at its
 # 4.3 TB/s copy rate. QCOMM_TRITON_WARPS overrides it (bench/device_check.sh compares
 # settings); read once.
@@ -89,12 +90,16 @@ def reciprocal_step(step):
 
 
 @triton.jit
-def round_codes(t, thr, TOP: tl.constexpr):
-    """Round level position ``t >= 0`` up when its fraction exceeds ``thr``; clamp."""
-    lo = tl.floor(t)
-    frac = t - lo
-    up = (frac > thr).to(tl.int32)
-    return tl.minimum(tl.maximum(lo.to(tl.int32) + up, 0), TOP)
+def round_codes(t, u, TOP: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """``reference._round_codes``: level position ``t >= 0`` to ``floor(t + u)``
+    (stochastic; one fp32 add, unfused: the kernels run with fusion off) or to nearest,
+    ties down (``u`` unused); clamped to [0, TOP]."""
+    if STOCHASTIC:
+        v = tl.floor(t + u).to(tl.int32)
+    else:
+        lo = tl.floor(t)
+        v = lo.to(tl.int32) + ((t - lo) > 0.5).to(tl.int32)
+    return tl.minimum(tl.maximum(v, 0), TOP)
 
 
 def row_layout(bits: int, elem_size: int) -> tuple[int, int]:

@@ -94,15 +94,15 @@ def _bucket_meta(meta_ptr, bucket, z, a, b, SCHEME: tl.constexpr, LEVELS: tl.con
 
 
 @triton.jit
-def _tile_codes(x, offset, s, inv, bad, thr, BITS: tl.constexpr, SCHEME: tl.constexpr,
-                LEVELS: tl.constexpr):
-    """int32 codes of a tile: ``reference._codes``."""
+def _tile_codes(x, offset, s, inv, bad, u, BITS: tl.constexpr, SCHEME: tl.constexpr,
+                LEVELS: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """int32 codes of a tile: ``reference._codes``; ``u`` the uniforms (stochastic)."""
     if SCHEME == 0:
         t = tl.where(bad, 0.0, ((x - offset) * s) * inv)
-        codes = round_codes(t, thr, LEVELS - 1)
+        codes = round_codes(t, u, LEVELS - 1, STOCHASTIC)
     elif SCHEME == 1:
         t = tl.where(bad, 0.0, (x * s) * inv + (LEVELS - 1) / 2.0)
-        codes = round_codes(t, thr, LEVELS - 1)
+        codes = round_codes(t, u, LEVELS - 1, STOCHASTIC)
     else:
         M: tl.constexpr = LEVELS - 1
         r = tl.minimum(tl.where(bad, 0.0, (tl.abs(x) * s) * inv), 1.0)
@@ -112,7 +112,10 @@ def _tile_codes(x, offset, s, inv, bad, thr, BITS: tl.constexpr, SCHEME: tl.cons
         geometric = ebits >= 127 - (M - 1)
         j_lo = tl.where(geometric, ebits - 127 + M, 0)
         frac = tl.where(geometric, mant * (1.0 / 8388608.0), r * (2.0 ** (M - 1)))
-        up = (frac > thr).to(tl.int32)
+        if STOCHASTIC:
+            up = (frac > 1.0 - u).to(tl.int32)
+        else:
+            up = (frac > 0.5).to(tl.int32)
         j = tl.minimum(j_lo + up, M)
         sign = (x < 0).to(tl.int32)
         codes = (sign << (BITS - 1)) | j
@@ -150,12 +153,12 @@ def _quantize_kernel(
         offset, s, inv, bad = _bucket_meta(meta_ptr, bucket, z, a, b, SCHEME, LEVELS, L2)
         if STOCHASTIC:
             h = pair_hash(index - bucket * H, key, WIDE)  # counter = bucket * H + q
-            thr = 1.0 - half_uniform(h, False)
-            thr1 = 1.0 - half_uniform(h, True)
+            u = half_uniform(h, False)
+            u1 = half_uniform(h, True)
         else:
-            thr = tl.full([RBLOCK, R], 0.5, tl.float32)
-            thr1 = thr
-        codes1 = _tile_codes(x1, offset, s, inv, bad, thr1, BITS, SCHEME, LEVELS)
+            u = tl.zeros([RBLOCK, R], tl.float32)
+            u1 = u
+        codes1 = _tile_codes(x1, offset, s, inv, bad, u1, BITS, SCHEME, LEVELS, STOCHASTIC)
         pack_store(codes_ptr, tl.where(valid1, codes1, 0), row1, rmask1, BITS, R, WORD)
     else:
         bucket, row, rmask, index, valid = bucket_tile(n, n_rows, B, R, RBLOCK, WIDE,
@@ -166,10 +169,10 @@ def _quantize_kernel(
         if STOCHASTIC:
             high = index - bucket * B >= H  # the second half takes the high 16 bits
             h = pair_hash(index - bucket * H - tl.where(high, H, 0), key, WIDE)
-            thr = 1.0 - tl.where(high, half_uniform(h, True), half_uniform(h, False))
+            u = tl.where(high, half_uniform(h, True), half_uniform(h, False))
         else:
-            thr = tl.full([RBLOCK, R], 0.5, tl.float32)
-    codes = _tile_codes(x, offset, s, inv, bad, thr, BITS, SCHEME, LEVELS)
+            u = tl.zeros([RBLOCK, R], tl.float32)
+    codes = _tile_codes(x, offset, s, inv, bad, u, BITS, SCHEME, LEVELS, STOCHASTIC)
     pack_store(codes_ptr, tl.where(valid, codes, 0), row, rmask, BITS, R, WORD)
 
 

@@ -1,10 +1,11 @@
 """Instruction counts of the loops in the C++ kernels Inductor compiles for one CPU
 quantize configuration: compiles it into a fresh Inductor cache and disassembles every
 kernel there (``objdump -d``), printing each backward branch's loop body length (loops
-of more than 20 instructions; ``*``: the loop hashes, a code loop). The full-bucket
-graph's code loop is the first starred one of the kernel with the reductions (one
-iteration: 16 fp32 or 32 bf16 elements); that count is what the README and
-``qcomm/reference.py`` quote.
+of more than 20 instructions; ``*``: the loop hashes (vpmulld), a code loop; ``+``: it
+floors (vroundps): min-max and maxnorm code loops, and a graph without the hash, as in
+dither-groups.diff). The full-bucket graph's code loop is the first starred one of the
+kernel with the reductions (one iteration: 16 fp32 or 32 bf16 elements); that count is
+what the README and ``qcomm/reference.py`` quote.
 
     loop_instructions.py SCHEME BITS DTYPE     e.g. minmax 8 float32
 """
@@ -33,9 +34,11 @@ def loops(so: str) -> list[str]:
         m = re.match(r"j\w+\s+([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr[i] and int(m.group(1), 16) in addr:
             n = i - addr.index(int(m.group(1), 16)) + 1
-            if n > 20:  # * marks loops that hash (vpmulld): the code loops
-                hashes = any("vpmulld" in t for t in ins[i - n + 1:i + 1])
-                out.append(f"{n}{'*' if hashes else ''}")
+            if n > 20:  # marks: * the loop hashes (vpmulld), + it floors (vroundps)
+                body = ins[i - n + 1:i + 1]
+                marks = "*" * any("vpmulld" in t for t in body)
+                marks += "+" * any("vroundps" in t for t in body)
+                out.append(f"{n}{marks}")
     return out
 
 

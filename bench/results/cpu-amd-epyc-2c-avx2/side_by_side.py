@@ -9,6 +9,10 @@ G elements/s, best of a few calls after one warm-up, 1 thread, the compiled path
     side_by_side.py bf16 LABEL SCHEME BITS
                                     SCHEME at BITS (a comma list) from bf16, 2^24 and
                                     2^26, best of 5 calls
+    side_by_side.py grid DTYPE LOG2 BITS SCHEMES
+                                    every SCHEME (a comma list) at every BITS from
+                                    DTYPE at 2^LOG2, best of 8 calls, one JSON line
+                                    (what alternate.py runs)
     side_by_side.py overhead        median us per call of a toy compiled graph shaped
                                     like the codec's (4 tensors written in place, a
                                     0-d tensor, dynamic first dimension): torch's own
@@ -36,7 +40,8 @@ def rate(x: torch.Tensor, cfg: QuantConfig, calls: int) -> float:
     return x.numel() / best / 1e9
 
 
-def main(mode: str, label: str = "", scheme: str = "minmax", bits: str = "8,4") -> None:
+def main(mode: str, label: str = "", scheme: str = "minmax", bits: str = "8,4",
+         *_) -> None:
     torch.set_num_threads(1)
     if mode == "chunks":
         res = {}
@@ -67,6 +72,11 @@ def main(mode: str, label: str = "", scheme: str = "minmax", bits: str = "8,4") 
             for b in map(int, bits.split(",")):
                 res.append(f"2^{lg}/{b} {rate(x, QuantConfig(bits=b, scheme=scheme), 5):.3f}")
         print(label, *res)
+    elif mode == "grid":  # grid DTYPE LOG2 BITS SCHEMES: label, scheme, bits shift by one
+        dtype, lg, bit_list, schemes = label, int(scheme), bits, sys.argv[5]
+        x = torch.randn(1 << lg).to(getattr(torch, dtype))
+        print(json.dumps({f"{dtype} 2^{lg} {s}{b}": rate(x, QuantConfig(bits=b, scheme=s), 8)
+                          for s in schemes.split(",") for b in map(int, bit_list.split(","))}))
     elif mode == "overhead":
         def toy(a, b, c, d, k):
             c.copy_(a * 2 + k)
@@ -86,8 +96,8 @@ def main(mode: str, label: str = "", scheme: str = "minmax", bits: str = "8,4") 
             ts.append(time.perf_counter() - t)
         print(f"compiled toy graph: median {sorted(ts)[len(ts) // 2] * 1e6:.0f} us per call")
     else:
-        raise SystemExit(f"unknown mode {mode!r}: chunks, fp32-8bit, nuq-bf16, bf16 or "
-                         "overhead")
+        raise SystemExit(f"unknown mode {mode!r}: chunks, fp32-8bit, nuq-bf16, bf16, grid "
+                         "or overhead")
 
 
 if __name__ == "__main__":
