@@ -156,7 +156,7 @@ def _quantize_kernel(
             u = half_uniform(h, False)
             u1 = half_uniform(h, True)
         else:
-            u = tl.zeros([RBLOCK, R], tl.float32)
+            u = 0.0  # unused: nearest rounding
             u1 = u
         codes1 = _tile_codes(x1, offset, s, inv, bad, u1, BITS, SCHEME, LEVELS, STOCHASTIC)
         pack_store(codes_ptr, tl.where(valid1, codes1, 0), row1, rmask1, BITS, R, WORD)
@@ -171,7 +171,7 @@ def _quantize_kernel(
             h = pair_hash(index - bucket * H - tl.where(high, H, 0), key, WIDE)
             u = tl.where(high, half_uniform(h, True), half_uniform(h, False))
         else:
-            u = tl.zeros([RBLOCK, R], tl.float32)
+            u = 0.0  # unused: nearest rounding
     codes = _tile_codes(x, offset, s, inv, bad, u, BITS, SCHEME, LEVELS, STOCHASTIC)
     pack_store(codes_ptr, tl.where(valid, codes, 0), row, rmask, BITS, R, WORD)
 

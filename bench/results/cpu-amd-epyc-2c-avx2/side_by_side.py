@@ -40,8 +40,15 @@ def rate(x: torch.Tensor, cfg: QuantConfig, calls: int) -> float:
     return x.numel() / best / 1e9
 
 
-def main(mode: str, label: str = "", scheme: str = "minmax", bits: str = "8,4",
-         *_) -> None:
+def grid(dtype: str, lg: str, bits: str, schemes: str) -> None:
+    """Every scheme x bits from ``dtype`` at 2^``lg``, best of 8 calls, one JSON line."""
+    torch.set_num_threads(1)
+    x = torch.randn(1 << int(lg)).to(getattr(torch, dtype))
+    print(json.dumps({f"{dtype} 2^{lg} {s}{b}": rate(x, QuantConfig(bits=b, scheme=s), 8)
+                      for s in schemes.split(",") for b in map(int, bits.split(","))}))
+
+
+def main(mode: str, label: str = "", scheme: str = "minmax", bits: str = "8,4") -> None:
     torch.set_num_threads(1)
     if mode == "chunks":
         res = {}
@@ -72,11 +79,6 @@ def main(mode: str, label: str = "", scheme: str = "minmax", bits: str = "8,4",
             for b in map(int, bits.split(",")):
                 res.append(f"2^{lg}/{b} {rate(x, QuantConfig(bits=b, scheme=scheme), 5):.3f}")
         print(label, *res)
-    elif mode == "grid":  # grid DTYPE LOG2 BITS SCHEMES: label, scheme, bits shift by one
-        dtype, lg, bit_list, schemes = label, int(scheme), bits, sys.argv[5]
-        x = torch.randn(1 << lg).to(getattr(torch, dtype))
-        print(json.dumps({f"{dtype} 2^{lg} {s}{b}": rate(x, QuantConfig(bits=b, scheme=s), 8)
-                          for s in schemes.split(",") for b in map(int, bit_list.split(","))}))
     elif mode == "overhead":
         def toy(a, b, c, d, k):
             c.copy_(a * 2 + k)
@@ -101,4 +103,7 @@ def main(mode: str, label: str = "", scheme: str = "minmax", bits: str = "8,4",
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1:2] == ["grid"]:
+        grid(*sys.argv[2:])
+    else:
+        main(*sys.argv[1:])
