@@ -5,8 +5,9 @@ Paths (``impl=``):
 - ``"triton"``: the fused kernels of ``qcomm.kernels`` (CUDA tensors; CPU tensors only
   under ``TRITON_INTERPRET=1``, how CI runs them).
 - ``"torch"``: :mod:`qcomm.reference` compiled with ``torch.compile`` (one compile per
-  scheme, bits, bucket and dtype, cached; dynamic in the size). Set ``QCOMM_COMPILE=0``
-  to run it eagerly instead.
+  scheme, bits, bucket and dtype, cached; dynamic in the size; repeated calls of one
+  signature skip Dynamo, :mod:`qcomm.compiled`). Set ``QCOMM_COMPILE=0`` to run it
+  eagerly instead.
 - ``"eager"``: the reference uncompiled (slow; the oracle tests compare against).
 
 ``impl=None`` picks ``"triton"`` for CUDA tensors and ``"torch"`` otherwise. All paths
@@ -20,13 +21,12 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
-import types
 from dataclasses import dataclass
 
 import torch
 
 from . import layout, reference
+from .compiled import compiled
 from .config import QuantConfig
 from .layout import DTYPE_IDS, HEADER_NBYTES, packed_nbytes
 
@@ -112,76 +112,9 @@ def _select_impl(device: torch.device, impl: str | None) -> str:
     return impl
 
 
-_compile_lock = threading.Lock()
-
-@functools.cache
-def _inductor_options() -> dict:
-    """Options of the CPU quantize graphs and 16-bit decodes. Inductor stores a value in a
-    full-size buffer of its own when the expression that computes it grows past ~50
-    operations or a few reads (its ``realize_*`` thresholds); these graphs are one pass
-    each by design, and a stored intermediate costs a round trip through memory and, on
-    AVX2, the 16-wide tiling of a bf16/fp16 loop. Measured side by side (Zen 3, 2^24
-    elements, 1 thread, G elements/s): bf16 quantize 8-bit 0.44 -> 0.64-0.67, 4-bit
-    0.39 -> 0.53-0.58, fp32 unchanged; nuq 8-bit decode into bf16 0.29 -> 2.77, the
-    other 16-bit decodes within noise. Not for fp32 decodes: nuq lost 10-20% with them
-    (an expression read twice is then computed twice). Only the options this torch
-    knows (their names have moved between versions)."""
-    from torch._inductor import config
-
-    return {name: 1 << 20 for name in ("realize_opcount_threshold", "realize_reads_threshold",
-                                       "realize_acc_reads_threshold") if hasattr(config, name)}
-
-
-@functools.cache
-def _compiled(fn, **static):
-    # One compiled graph per static key (scheme, bits, bucket size, ...), device type and
-    # dtypes of the tensors passed, dynamic in the first dimension (length or bucket
-    # count): a flat FSDP shard changes length per parameter group, and recompiling per
-    # size would cost seconds per call. The lock keeps two threads from compiling at once.
-    # Dynamo caches compiled graphs on the code object it runs, at most 8 per code object
-    # (recompile_limit) before it silently falls back to eager, and a partial would be
-    # run through one shared wrapper: a group with three collectives, two dtypes and two
-    # ops would pass that. A copy of the function with its own code object, the static
-    # key baked in as keyword defaults, gives every configuration and dtype its own cache.
-    by_dtypes = {}
-
-    def compile_fresh(device_type, dtypes):
-        # _inductor_options: quantize graphs, and decodes that store bf16/fp16, on CPU
-        # (on a GPU Inductor writes Triton, where the thresholds guard register pressure)
-        unrealized = device_type == "cpu" and (
-            fn.__name__.startswith("encode")
-            or (fn.__name__.startswith("decode") and not {torch.bfloat16, torch.float16}
-                .isdisjoint(dtypes)))
-        fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
-                                   fn.__defaults__, fn.__closure__)
-        fresh.__kwdefaults__ = {**(fn.__kwdefaults__ or {}), **static}
-        # Only the first dimension is dynamic: dynamic=True would make the baked-in ints
-        # (bits, bucket size) symbolic too, and loops of symbolic length over a bucket
-        # vectorize badly (a max over [2^14, 1024]: 5 GB/s against 15 static).
-        return torch.compile(fresh, dynamic=False,
-                             options=_inductor_options() if unrealized else {})
-
-    # reference marks the pieces whose shapes never change (one bucket: fixed size B)
-    dynamic = not getattr(fn, "static_shapes", False)
-
-    def run(*args, **kwargs):
-        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        for t in tensors:
-            if dynamic and t.dim() >= 1:
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-        dtypes = (tensors[0].device.type, *(t.dtype for t in tensors))
-        with _compile_lock:
-            compiled = by_dtypes.get(dtypes)
-            if compiled is None:
-                compiled = by_dtypes[dtypes] = compile_fresh(dtypes[0], dtypes[1:])
-            return compiled(*args, **kwargs)
-
-    return run
-
-
 def _wrap(path: str):
     """How :mod:`qcomm.reference` runs its pieces on this path: compiled or eagerly."""
-    return reference.eager if path == "eager" else _compiled
+    return reference.eager if path == "eager" else compiled
 
 
 def _check_config(config) -> QuantConfig:
@@ -238,7 +171,7 @@ def quantize(
         payload[used:].zero_()  # the alignment padding: the same bytes on the wire every time
     if n == 0:
         return packed
-    flat = x.reshape(-1)
+    flat = x if x.dim() == 1 else x.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
     key = reference.seed_key(seed)
@@ -250,7 +183,7 @@ def quantize(
         return packed
     sid = layout.effective_scheme_id(config.scheme, config.bits)
     divisor = _divisor_tensor(sid, config.bits, str(x.device))
-    key_t = torch.tensor(key, dtype=torch.int64, device=x.device)
+    key_t = torch.scalar_tensor(key, dtype=torch.int64, device=x.device)
     reference.quantize_reference(
         flat, bits=config.bits, bucket_size=config.bucket_size, scheme=config.scheme,
         l2=config.norm == "l2", stochastic=config.rounding == "stochastic", key=key_t,

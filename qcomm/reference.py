@@ -224,8 +224,8 @@ def quantize_reference(
     # compile key, so a 2^31-element tensor gets its own graph.
     static = dict(bits=bits, bucket_size=B, sid=sid, l2=l2, stochastic=stochastic,
                   wide=n + B >= 2**31)
-    whole, singles = _pieces(x.reshape(-1), meta_out, codes_out, bucket_size=B, bits=bits,
-                             W=W)
+    whole, singles = _pieces(x if x.dim() == 1 else x.reshape(-1), meta_out, codes_out,
+                             bucket_size=B, bits=bits, W=W)
     if whole:
         xw, mw, cw = whole
         nb, H = xw.shape[0], B // 2
@@ -258,16 +258,17 @@ def quantize_reference(
         scratch = buf32 = None
         for r, stop in chunks:
             rows = slice(r, stop)
-            first = torch.tensor(r, dtype=torch.int64, device=x.device)
-            src = xw[rows]
+            first = index_tensor(r, x.device)
+            src = xw if len(chunks) == 1 else xw[rows]
             if via32:
                 if buf32 is None:
                     buf32 = torch.empty(most, dtype=torch.float32, device=x.device)
                 src = buf32[: src.numel()].view(-1, B)
                 src.copy_(xw[rows])
             if direct:
-                encode(src, mw[rows], cw[rows, :H], cw[rows, H:], pos, first=first, key=key,
-                       divisor=divisor)
+                c = cw if len(chunks) == 1 else cw[rows]
+                encode(src, mw if len(chunks) == 1 else mw[rows], c[:, :H], c[:, H:], pos,
+                       first=first, key=key, divisor=divisor)
                 continue
             if fp32:
                 if scratch is None:
@@ -283,11 +284,25 @@ def quantize_reference(
                     cw[rows, :H].copy_(halves[0])
                     cw[rows, H:].copy_(halves[1])
                     continue
-            wrap(pack_buckets, bits=bits)(*halves, codes_out=cw[rows])
+            wrap(pack_buckets, bits=bits)(halves[0], halves[1] if len(halves) == 2 else None,
+                                          cw if len(chunks) == 1 else cw[rows])
     for piece in singles:
         _encode_single(wrap(encode_bucket, **static), *piece, key=key, divisor=divisor,
                        bucket_size=B, bits=bits)
     return meta_out, codes_out
+
+
+def index_tensor(i: int, device: torch.device) -> torch.Tensor:
+    """``i`` as a 0-d int64 tensor on ``device``: an index passed into a compiled graph as
+    data (a Python int would be a constant, and a new graph for each value). 0 is cached:
+    the graphs only read it. ``torch.scalar_tensor`` takes 3 us here, ``torch.tensor`` 9."""
+    return _zero_index(device) if i == 0 else torch.scalar_tensor(i, dtype=torch.int64,
+                                                                  device=device)
+
+
+@functools.cache
+def _zero_index(device: torch.device) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.int64, device=device)
 
 
 def _pieces(flat, meta, codes, *, bucket_size, bits, W):
@@ -302,13 +317,19 @@ def _pieces(flat, meta, codes, *, bucket_size, bits, W):
     nbytes = full * B * bits // 8  # bucket sizes are multiples of 8: whole bytes
     whole, singles = None, []
     if full >= 2:
-        whole = (flat[: full * B].view(full, B), meta[: full * W].view(full, W),
-                 codes[:nbytes].view(full, B * bits // 8))
+        whole = (_rows(flat, full, B), _rows(meta, full, W), _rows(codes, full, B * bits // 8))
     elif full == 1:
         singles.append((flat[:B], meta[:W], codes[:nbytes], 0))
     if full * B < flat.numel():
         singles.append((flat[full * B:], meta[full * W:], codes[nbytes:], full * B))
     return whole, singles
+
+
+def _rows(t: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """The first ``rows * width`` elements of 1-D ``t`` as [rows, width]: one view op
+    where that is all of ``t`` (each op costs ~3 us of a per-call cost of ~100-200)."""
+    return t.view(rows, width) if t.numel() == rows * width else t[: rows * width].view(rows,
+                                                                                      width)
 
 
 def _row_chunks(nb: int, step: int) -> list[tuple[int, int]]:
@@ -337,8 +358,8 @@ def _encode_single(encode, x, meta_out, codes_out, start, *, key, divisor, bucke
     whole = codes_out.numel() == B * bits // 8
     codes = codes_out if whole else torch.empty(B * bits // 8, dtype=torch.uint8,
                                                 device=x.device)
-    encode(padded, meta_out, codes, length=torch.tensor(n, device=x.device),
-           start=torch.tensor(start, dtype=torch.int64, device=x.device), key=key,
+    encode(padded, meta_out, codes, length=index_tensor(n, x.device),
+           start=index_tensor(start, x.device), key=key,
            divisor=divisor)
     if not whole:
         codes_out.copy_(codes[: codes_out.numel()])
@@ -403,10 +424,13 @@ def encode_buckets(x, meta_out, lo_out, hi_out, pos, *, first, key, divisor, bit
     hi_out.copy_(hi)
 
 
-def pack_buckets(*codes, codes_out, bits):
+def pack_buckets(codes, codes_hi, codes_out, *, bits):
     """Pack code bytes into ``codes_out`` [nb, B * bits / 8]: ``codes`` is the buckets'
-    [nb, B] bytes, or the two halves [nb, B / 2] as :func:`encode_buckets` returns them."""
-    codes_out.copy_(pack_codes(codes[0] if len(codes) == 1 else torch.cat(codes, dim=1), bits))
+    [nb, B] bytes, or with ``codes_hi`` the two halves [nb, B / 2] as
+    :func:`encode_buckets` returns them. (Named arguments, no ``*codes``: the codec
+    calls a compiled graph directly only where its inputs are named arguments.)"""
+    both = codes if codes_hi is None else torch.cat((codes, codes_hi), dim=1)
+    codes_out.copy_(pack_codes(both, bits))
 
 
 def encode_bucket(x, meta_out, codes_out, *, length, start, key, divisor, bucket_size, bits,
@@ -609,6 +633,7 @@ def vector_lanes() -> int:
         return 16
 
 
+@functools.cache
 def lane_group(bits: int, bucket_size: int, out_dtype: torch.dtype = torch.float32,
                lanes: int | None = None) -> int | None:
     """Codes per lane group of the word decode (:func:`unpack_words`) into ``out_dtype``
@@ -631,7 +656,7 @@ def lane_group(bits: int, bucket_size: int, out_dtype: torch.dtype = torch.float
     lanes = vector_lanes() if lanes is None else lanes
     if bits not in (1, 2, 4) and not (bits == 8 and lanes < 16):
         return None
-    tile = lanes * (4 // torch.empty((), dtype=out_dtype).element_size())
+    tile = lanes * (4 // out_dtype.itemsize)
     group = max(tile, 32 // bits)
     return group if bucket_size % group == 0 else None
 

@@ -4,6 +4,10 @@ fresh process each, from /tmp with ``PYTHONPATH`` = the tree), then prints the m
 and max G elements/s per point and tree and writes every run as JSON.
 
     alternate.py ROUNDS OUT.json LABEL=TREE ... -- "DTYPE LOG2 BITS SCHEMES" ...
+    alternate.py ROUNDS OUT.json LABEL=TREE ... -- "latency DTYPE LOG2S BITS SCHEMES" ...
+
+(the second runs ``side_by_side.py latency``: us per call, lower is better).
+``alternate.py --print OUT.json`` prints the medians of such a file again.
 
 e.g. ``alternate.py 3 out.json base=/tmp/base new=$PWD -- "float32 24 2,4,8
 minmax,maxnorm,nuq"``. On this 2-core VM one run of a point drifts 10-20% between
@@ -31,13 +35,20 @@ def main(argv: list[str]) -> None:
             for label, tree in trees.items():
                 env = dict(os.environ, PYTHONPATH=tree)
                 proc = subprocess.run(
-                    [sys.executable, str(HERE / "side_by_side.py"), "grid", *grid.split()],
+                    [sys.executable, str(HERE / "side_by_side.py"),
+                     *(grid.split() if grid.startswith("latency") else ["grid", *grid.split()])],
                     env=env, cwd="/tmp", capture_output=True, text=True, check=True)
                 for key, rate in json.loads(proc.stdout.strip().splitlines()[-1]).items():
                     runs.setdefault(key, {}).setdefault(label, []).append(rate)
     Path(out).write_text(json.dumps({"trees": trees, "rounds": rounds, "runs": runs},
                                     indent=1) + "\n")
-    first = next(iter(trees))
+    summarize(out)
+
+
+def summarize(path: str) -> None:
+    """Print the medians of a file ``main`` wrote (``alternate.py --print OUT.json``)."""
+    data = json.loads(Path(path).read_text())
+    runs, first = data["runs"], next(iter(data["trees"]))
     for key, by in runs.items():
         med = {label: statistics.median(v) for label, v in by.items()}
         cells = [f"{label} {med[label]:.3f} (max {max(v):.3f})" for label, v in by.items()]
@@ -47,4 +58,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["--print"]:
+        summarize(sys.argv[2])
+    else:
+        main(sys.argv[1:])

@@ -13,19 +13,25 @@ G elements/s, best of a few calls after one warm-up, 1 thread, the compiled path
                                     every SCHEME (a comma list) at every BITS from
                                     DTYPE at 2^LOG2, best of 8 calls, one JSON line
                                     (what alternate.py runs)
+    side_by_side.py latency DTYPE LOG2S BITS SCHEMES
+                                    median us per call of quantize (into a payload
+                                    buffer) and dequantize (into a tensor), 200 calls
+                                    after 3, every SCHEME x BITS x 2^LOG2 (comma
+                                    lists), one JSON line (alternate.py runs it too)
     side_by_side.py overhead        median us per call of a toy compiled graph shaped
                                     like the codec's (4 tensors written in place, a
                                     0-d tensor, dynamic first dimension): torch's own
                                     per-call cost, no qcomm code in it
 """
 
+import functools
 import json
 import sys
 import time
 
 import torch
 
-from qcomm import QuantConfig, packed_nbytes, quantize
+from qcomm import QuantConfig, dequantize, packed_nbytes, quantize
 
 
 def rate(x: torch.Tensor, cfg: QuantConfig, calls: int) -> float:
@@ -46,6 +52,37 @@ def grid(dtype: str, lg: str, bits: str, schemes: str) -> None:
     x = torch.randn(1 << int(lg)).to(getattr(torch, dtype))
     print(json.dumps({f"{dtype} 2^{lg} {s}{b}": rate(x, QuantConfig(bits=b, scheme=s), 8)
                       for s in schemes.split(",") for b in map(int, bits.split(","))}))
+
+
+def _median_us(call, calls: int = 200) -> float:
+    """Median us of ``calls`` calls of ``call()`` after 3 untimed ones."""
+    for _ in range(3):
+        call()
+    ts = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        call()
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[calls // 2] * 1e6
+
+
+def latency(dtype: str, lgs: str, bits: str, schemes: str) -> None:
+    """Median us per quantize and per dequantize call, one JSON line."""
+    torch.set_num_threads(1)
+    res = {}
+    for lg in map(int, lgs.split(",")):
+        x = torch.randn(1 << lg).to(getattr(torch, dtype))
+        y = torch.empty_like(x)
+        for s in schemes.split(","):
+            for b in map(int, bits.split(",")):
+                cfg = QuantConfig(bits=b, scheme=s)
+                out = torch.empty(packed_nbytes(x.numel(), cfg), dtype=torch.uint8)
+                packed = quantize(x, cfg, out=out)
+                res[f"{dtype} 2^{lg} {s}{b} quantize"] = _median_us(
+                    functools.partial(quantize, x, cfg, out=out))
+                res[f"{dtype} 2^{lg} {s}{b} dequantize"] = _median_us(
+                    functools.partial(dequantize, packed, out=y))
+    print(json.dumps(res))
 
 
 def main(mode: str, label: str = "", scheme: str = "minmax", bits: str = "8,4") -> None:
@@ -105,5 +142,7 @@ def main(mode: str, label: str = "", scheme: str = "minmax", bits: str = "8,4") 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["grid"]:
         grid(*sys.argv[2:])
+    elif sys.argv[1:2] == ["latency"]:
+        latency(*sys.argv[2:])
     else:
         main(*sys.argv[1:])

@@ -1,0 +1,116 @@
+"""The compiled CPU path's calls that skip Dynamo (qcomm.compiled): taken only for
+calls Dynamo already ran on the function's one graph, and the same bytes as the eager
+reference either way."""
+
+import pytest
+import torch
+
+from qcomm import QuantConfig, dequantize, quantize
+from qcomm import compiled as qc
+
+
+def _toy(a, out):
+    out.copy_(a * 2.0 + 1.0)
+
+
+def _toy_recompiled(a, out):  # the same, with a compile cache of its own
+    out.copy_(a * 2.0 + 1.0)
+
+
+def _toy_with_break(a, out):
+    out.copy_(a * 2.0)
+    print(end="")  # a graph break: two graphs for one function
+    out.add_(1.0)
+
+
+def _toy_returns(a, out):
+    out.copy_(a * 2.0 + 1.0)
+    return out.sum()
+
+
+def _counts():
+    return qc.calls["direct"], qc.calls["dynamo"]
+
+
+def _delta(before):
+    d, y = _counts()
+    return d - before[0], y - before[1]
+
+
+@pytest.mark.parametrize("cfg", [QuantConfig(bits=8), QuantConfig(bits=4, scheme="maxnorm")],
+                         ids=["minmax8", "maxnorm4"])
+def test_repeated_codec_calls_skip_dynamo_with_the_same_bytes(cfg, monkeypatch):
+    monkeypatch.setenv("QCOMM_COMPILE", "1")
+    n = 4 * cfg.bucket_size + 37  # whole buckets and a partial one: two graphs per op
+    x = torch.randn(n)
+    want = quantize(x, cfg, seed=3, impl="eager")
+    want_y = dequantize(want, impl="eager")
+    quantize(x, cfg, seed=3, impl="torch")  # compiles, or runs through Dynamo once
+    dequantize(want, impl="torch")
+    before = _counts()
+    for seed in (3, 4):  # a new seed is new data, not a new signature
+        got = quantize(x, cfg, seed=seed, impl="torch")
+        ref = want if seed == 3 else quantize(x, cfg, seed=seed, impl="eager")
+        assert torch.equal(got.payload, ref.payload)
+    y = dequantize(want, impl="torch")
+    assert torch.equal(y, want_y)
+    direct, dynamo = _delta(before)
+    assert dynamo == 0 and direct >= 6, (direct, dynamo)
+
+    # The same shape at another storage offset is a new signature: Dynamo runs it once.
+    big = torch.randn(n + 1)
+    big[1:].copy_(x)
+    before = _counts()
+    assert torch.equal(quantize(big[1:], cfg, seed=3, impl="torch").payload, want.payload)
+    assert _delta(before)[1] >= 1
+    before = _counts()
+    assert torch.equal(quantize(big[1:], cfg, seed=3, impl="torch").payload, want.payload)
+    assert _delta(before)[1] == 0
+
+
+def test_direct_calls_need_a_validated_signature():
+    run = qc.compiled(_toy)
+    # The first length compiles; another is served by the dynamic graph (no recompile):
+    # each goes through Dynamo once, then directly.
+    for rows in (6, 9):
+        a, out = torch.randn(rows, 4), torch.empty(rows, 4)
+        before = _counts()
+        run(a, out)
+        run(a, out)
+        assert _delta(before) == (1, 1)
+        torch.testing.assert_close(out, a * 2.0 + 1.0, rtol=0, atol=0)
+    # In place (out aliases a): a new storage pattern, not the validated one (Dynamo
+    # compiles a graph for it, which turns direct calls off: the next test).
+    c = torch.randn(6, 4)
+    want = c * 2.0 + 1.0
+    before = _counts()
+    run(c, c)
+    assert _delta(before) == (0, 1)
+    torch.testing.assert_close(c, want, rtol=0, atol=0)
+
+
+def test_a_recompile_turns_direct_calls_off():
+    run = qc.compiled(_toy_recompiled)
+    a, out = torch.randn(5, 3), torch.empty(5, 3)
+    run(a, out)
+    run(a, out)
+    one, out_one = torch.randn(1, 3), torch.empty(1, 3)  # Dynamo specializes size 1
+    run(one, out_one)
+    graph = next(g for g in run.graphs() if g.graphs == 2)
+    assert graph.call is None
+    before = _counts()
+    run(a, out)
+    assert _delta(before) == (0, 1)
+    torch.testing.assert_close(out, a * 2.0 + 1.0, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fn", [_toy_with_break, _toy_returns], ids=["graph-break", "returns"])
+def test_no_direct_calls_for_graph_breaks_or_results(fn):
+    run = qc.compiled(fn)
+    a, out = torch.randn(4, 2), torch.empty(4, 2)
+    before = _counts()
+    results = [run(a, out) for _ in range(3)]
+    assert _delta(before) == (0, 3)
+    torch.testing.assert_close(out, a * 2.0 + 1.0, rtol=0, atol=0)
+    if fn is _toy_returns:
+        assert all(torch.equal(r, (a * 2.0 + 1.0).sum()) for r in results)
