@@ -13,12 +13,17 @@ Inductor's callable back to Dynamo keeps a reference to it). A call goes straigh
 only when its *signature* (every argument's dtype, device, shape, strides, storage
 offset, requires_grad, which arguments share a storage; non-tensors by value) is one
 Dynamo has already run on that same graph, so Dynamo's guards held for exactly these
-inputs, and the graph depends on nothing else: it returns nothing (every result is
-written into an argument), it was the only graph Dynamo ever compiled for the function
-(no graph break, no recompile), and all its inputs are the function's arguments or their
-sizes, strides and storage offsets. Any other call goes through Dynamo as before, which
-then may add its signature. Calls run with grad mode off, so it is one state for every
-call (Dynamo guards on it: a caller's grad mode used to recompile the graphs).
+inputs, and the graph depends on nothing else: it was the only graph Dynamo ever
+compiled for the function (no graph break, no recompile), all its inputs are the
+function's arguments or their sizes, strides and storage offsets, and it returns
+nothing (every result written into an argument) or exactly the tensors the function
+returns. For a graph that returns tensors, the first call of each signature runs twice,
+through Dynamo and directly, and the signature is kept only if both give the same
+tensors in the same order; such a function must give the same result when run twice
+(:func:`qcomm.reference.encode_buckets` from 16-bit inputs: it writes its metadata and
+returns its codes). Any other call goes through Dynamo as before, which then may add its
+signature. Calls run with grad mode off, so it is one state for every call (Dynamo
+guards on it: a caller's grad mode used to recompile the graphs).
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class Graph:
         self.graphs = 0  # graphs compiled for the function: direct calls need exactly 1
         self.call = None  # Inductor's callable over the graph's flat inputs
         self.inputs: list[tuple[str, str | None, int | None]] = []
+        self.outputs = 0  # tensors the graph returns (the function returns them as a tuple)
         self.served: set = set()  # signatures Dynamo ran on this graph
 
     def backend(self, gm, example_inputs):
@@ -79,9 +85,32 @@ class Graph:
         self.graphs += 1
         compiled = compile_fx(gm, example_inputs, config_patches=self.options)
         recipe = _input_recipe(gm) if self.graphs == 1 else None
-        self.call, self.inputs = (compiled, recipe) if recipe is not None else (None, [])
+        self.call = compiled if recipe is not None else None
+        self.inputs, self.outputs = recipe or ([], 0)
         self.served.clear()
         return compiled
+
+    def direct(self, args: tuple, kwargs: dict):
+        """Run the graph on the call's arguments, without Dynamo."""
+        out = self.call(*self.flat_inputs(args, kwargs))
+        return tuple(out) if self.outputs else None
+
+    def check(self, sig, args: tuple, kwargs: dict, result) -> None:
+        """After Dynamo ran a call of signature ``sig`` with ``result``: keep ``sig`` if
+        a direct call of these arguments gives that result."""
+        if sig is None or self.call is None or self.graphs != 1:
+            return
+        if len(self.served) >= MAX_SIGNATURES:
+            return
+        if self.outputs == 0:
+            ok = result is None
+        else:  # the same tensors, in the same order, from a second run
+            ok = (isinstance(result, tuple) and len(result) == self.outputs
+                  and all(isinstance(t, torch.Tensor) for t in result)
+                  and all(a.dtype == b.dtype and torch.equal(a, b)
+                          for a, b in zip(result, self.direct(args, kwargs), strict=True)))
+        if ok:
+            self.served.add(sig)
 
     def flat_inputs(self, args: tuple, kwargs: dict) -> list:
         bound = dict(zip(self.params, args, strict=False))  # the rest come as keywords
@@ -94,15 +123,18 @@ class Graph:
         return flat
 
 
-def _input_recipe(gm) -> list | None:
-    """How to get each input of Dynamo's graph ``gm`` from the function's arguments:
-    ``(argument name, None | "SIZE" | "STRIDE" | "STORAGE_OFFSET", dim)``; None if the
-    graph returns anything or reads anything else (a global, a closure, an attribute)."""
-    recipe = []
+def _input_recipe(gm) -> tuple[list, int] | None:
+    """How to get each input of Dynamo's graph ``gm`` from the function's arguments,
+    ``(argument name, None | "SIZE" | "STRIDE" | "STORAGE_OFFSET", dim)``, and how many
+    tensors it returns; None if it reads anything else (a global, a closure, an
+    attribute) or returns anything but graph values."""
+    recipe, outputs = [], 0
     for node in gm.graph.nodes:
         if node.op == "output":
-            if tuple(node.args[0] or ()) != ():
+            values = tuple(node.args[0] or ())
+            if not all(isinstance(v, torch.fx.Node) for v in values):
                 return None
+            outputs = len(values)
         if node.op != "placeholder":
             continue
         source = getattr(node.meta.get("grapharg"), "source", None)
@@ -115,7 +147,7 @@ def _input_recipe(gm) -> list | None:
         if type(source).__name__ != "LocalSource":
             return None
         recipe.append((source.local_name, prop, idx))
-    return recipe
+    return recipe, outputs
 
 
 def _signature(args: tuple, kwargs: dict):
@@ -181,17 +213,14 @@ def compiled(fn, **static):
             function, graph = entry
             if graph.call is not None and sig in graph.served:
                 calls["direct"] += 1
-                graph.call(*graph.flat_inputs(args, kwargs))
-                return None
+                return graph.direct(args, kwargs)
             if dynamic:
                 for t in tensors:
                     if t.dim() >= 1:
                         torch._dynamo.maybe_mark_dynamic(t, 0)
             calls["dynamo"] += 1
             result = function(*args, **kwargs)
-            if (result is None and sig is not None and graph.call is not None
-                    and graph.graphs == 1 and len(graph.served) < MAX_SIGNATURES):
-                graph.served.add(sig)
+            graph.check(sig, args, kwargs, result)
             return result
 
     run.graphs = lambda: [g for _, g in by_dtypes.values()]  # for the tests

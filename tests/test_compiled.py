@@ -23,6 +23,11 @@ def _toy_with_break(a, out):
     out.add_(1.0)
 
 
+def _toy_pair(a, out):  # returns its results as a tuple: checked by a second run
+    out.copy_(a - 1.0)
+    return a * 2.0, a + 1.0
+
+
 def _toy_returns(a, out):
     out.copy_(a * 2.0 + 1.0)
     return out.sum()
@@ -37,12 +42,16 @@ def _delta(before):
     return d - before[0], y - before[1]
 
 
-@pytest.mark.parametrize("cfg", [QuantConfig(bits=8), QuantConfig(bits=4, scheme="maxnorm")],
-                         ids=["minmax8", "maxnorm4"])
-def test_repeated_codec_calls_skip_dynamo_with_the_same_bytes(cfg, monkeypatch):
+# Configurations test_kernels.py compiles as well (one compile each per process: ~10-25 s)
+@pytest.mark.parametrize("cfg,dtype", [(QuantConfig(bits=8), torch.float32),
+                                       (QuantConfig(bits=4), torch.float32),
+                                       (QuantConfig(bits=8, bucket_size=40), torch.bfloat16)],
+                         ids=["minmax8", "minmax4", "minmax8-b40-bf16"])
+def test_repeated_codec_calls_skip_dynamo_with_the_same_bytes(cfg, dtype, monkeypatch):
+    """(From bf16 the quantize graph returns the codes of both bucket halves.)"""
     monkeypatch.setenv("QCOMM_COMPILE", "1")
     n = 4 * cfg.bucket_size + 37  # whole buckets and a partial one: two graphs per op
-    x = torch.randn(n)
+    x = torch.randn(n).to(dtype)
     want = quantize(x, cfg, seed=3, impl="eager")
     want_y = dequantize(want, impl="eager")
     quantize(x, cfg, seed=3, impl="torch")  # compiles, or runs through Dynamo once
@@ -58,7 +67,7 @@ def test_repeated_codec_calls_skip_dynamo_with_the_same_bytes(cfg, monkeypatch):
     assert dynamo == 0 and direct >= 6, (direct, dynamo)
 
     # The same shape at another storage offset is a new signature: Dynamo runs it once.
-    big = torch.randn(n + 1)
+    big = torch.randn(n + 1).to(dtype)
     big[1:].copy_(x)
     before = _counts()
     assert torch.equal(quantize(big[1:], cfg, seed=3, impl="torch").payload, want.payload)
@@ -104,8 +113,20 @@ def test_a_recompile_turns_direct_calls_off():
     torch.testing.assert_close(out, a * 2.0 + 1.0, rtol=0, atol=0)
 
 
+def test_a_graph_returning_a_tuple_runs_directly_in_order():
+    run = qc.compiled(_toy_pair)
+    a, out = torch.randn(5, 2), torch.empty(5, 2)
+    before = _counts()
+    results = [run(a, out) for _ in range(3)]
+    assert _delta(before) == (2, 1)
+    for twice, plus in results:
+        torch.testing.assert_close(twice, a * 2.0, rtol=0, atol=0)
+        torch.testing.assert_close(plus, a + 1.0, rtol=0, atol=0)
+    torch.testing.assert_close(out, a - 1.0, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("fn", [_toy_with_break, _toy_returns], ids=["graph-break", "returns"])
-def test_no_direct_calls_for_graph_breaks_or_results(fn):
+def test_no_direct_calls_for_graph_breaks_or_a_lone_result(fn):
     run = qc.compiled(fn)
     a, out = torch.randn(4, 2), torch.empty(4, 2)
     before = _counts()
@@ -113,4 +134,5 @@ def test_no_direct_calls_for_graph_breaks_or_results(fn):
     assert _delta(before) == (0, 3)
     torch.testing.assert_close(out, a * 2.0 + 1.0, rtol=0, atol=0)
     if fn is _toy_returns:
-        assert all(torch.equal(r, (a * 2.0 + 1.0).sum()) for r in results)
+        for r in results:  # (a compiled sum: another summation order)
+            torch.testing.assert_close(r, (a * 2.0 + 1.0).sum())
