@@ -17,6 +17,10 @@ def _toy_recompiled(a, out):  # the same, with a compile cache of its own
     out.copy_(a * 2.0 + 1.0)
 
 
+def _toy_grad_modes(a, out):  # the same, with a compile cache of its own
+    out.copy_(a * 2.0 + 1.0)
+
+
 def _toy_with_break(a, out):
     out.copy_(a * 2.0)
     print(end="")  # a graph break: two graphs for one function
@@ -111,6 +115,21 @@ def test_a_recompile_turns_direct_calls_off():
     run(a, out)
     assert _delta(before) == (0, 1)
     torch.testing.assert_close(out, a * 2.0 + 1.0, rtol=0, atol=0)
+
+
+def test_the_callers_grad_mode_does_not_recompile():
+    """Calls run with grad mode off: Dynamo guards on it, and a collective under
+    torch.no_grad() after a call with grad on would compile a second graph (each call
+    a new length, so that Dynamo runs it)."""
+    run = qc.compiled(_toy_grad_modes)
+    for rows, mode in ((5, torch.enable_grad), (6, torch.no_grad), (7, torch.enable_grad)):
+        a, out = torch.randn(rows, 3), torch.empty(rows, 3)
+        with mode():
+            run(a, out)
+        torch.testing.assert_close(out, a * 2.0 + 1.0, rtol=0, atol=0)
+    (graph,) = run.graphs()
+    assert graph.graphs == 1 and graph.call is not None
+    assert torch.is_grad_enabled()  # and the caller's mode is back
 
 
 def test_a_graph_returning_a_tuple_runs_directly_in_order():
