@@ -204,12 +204,15 @@ def compiled(fn, **static):
 
     def run(*args, **kwargs):
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        key = (tensors[0].device.type, *(t.dtype for t in tensors))
+        # inference mode is part of the key: Dynamo guards on it, and a recompile of the
+        # shared graph would turn its direct calls off
+        key = (tensors[0].device.type, torch.is_inference_mode_enabled(),
+               *(t.dtype for t in tensors))
         sig = _signature(args, kwargs)
         with _lock, torch.no_grad():
             entry = by_dtypes.get(key)
             if entry is None:
-                entry = by_dtypes[key] = compile_fresh(key[0], key[1:])
+                entry = by_dtypes[key] = compile_fresh(key[0], key[2:])
             function, graph = entry
             if graph.call is not None and sig in graph.served:
                 calls["direct"] += 1

@@ -120,15 +120,17 @@ def test_a_recompile_turns_direct_calls_off():
 def test_the_callers_grad_mode_does_not_recompile():
     """Calls run with grad mode off: Dynamo guards on it, and a collective under
     torch.no_grad() after a call with grad on would compile a second graph (each call
-    a new length, so that Dynamo runs it)."""
+    a new length, so that Dynamo runs it). Inference mode gets a graph of its own."""
     run = qc.compiled(_toy_grad_modes)
-    for rows, mode in ((5, torch.enable_grad), (6, torch.no_grad), (7, torch.enable_grad)):
+    modes = (torch.enable_grad, torch.no_grad, torch.enable_grad, torch.inference_mode,
+             torch.inference_mode)
+    for rows, mode in enumerate(modes, start=5):
         a, out = torch.randn(rows, 3), torch.empty(rows, 3)
         with mode():
             run(a, out)
+            run(a, out)
         torch.testing.assert_close(out, a * 2.0 + 1.0, rtol=0, atol=0)
-    (graph,) = run.graphs()
-    assert graph.graphs == 1 and graph.call is not None
+    assert [(g.graphs, g.call is not None) for g in run.graphs()] == [(1, True)] * 2
     assert torch.is_grad_enabled()  # and the caller's mode is back
 
 
