@@ -10,8 +10,8 @@ A codec call makes one to three such calls.
 
 How it stays correct: the graph is the one Dynamo compiled (a backend that hands
 Inductor's callable back to Dynamo keeps a reference to it). A call goes straight to it
-only when its *signature* (every argument's dtype, device, shape, strides, storage
-offset, requires_grad, which arguments share a storage; non-tensors by value) is one
+only when its *signature* (every argument's type, dtype, device, shape, strides,
+storage offset, requires_grad, which arguments share a storage; non-tensors by value) is one
 Dynamo has already run on that same graph, so Dynamo's guards held for exactly these
 inputs, and the graph depends on nothing else: it was the only graph Dynamo ever
 compiled for the function (no graph break, no recompile), all its inputs are the
@@ -154,12 +154,12 @@ def _signature(args: tuple, kwargs: dict):
     """What Dynamo's guards on these arguments read, as a hashable tuple; None if some
     argument is neither a tensor nor a hashable scalar. (~10 us for the 8 arguments of
     the quantize graph: one pass, no sorting.)"""
-    storages: dict[int, int] = {}  # storage address -> first argument index holding it
+    storages: dict[int, int] = {}  # storage address -> its number, in order of appearance
     sig = [tuple(kwargs)]
     for v in (*args, *kwargs.values()):
-        if isinstance(v, torch.Tensor):
+        if isinstance(v, torch.Tensor):  # (type: a Parameter or a subclass is another one)
             base = v.untyped_storage().data_ptr()
-            sig.append((v.dtype, v.device, v.requires_grad, v.shape, v.stride(),
+            sig.append((type(v), v.dtype, v.device, v.requires_grad, v.shape, v.stride(),
                         v.storage_offset(), storages.setdefault(base, len(storages))))
         elif v is None or isinstance(v, (bool, int, float, str)):
             sig.append((type(v), v))
