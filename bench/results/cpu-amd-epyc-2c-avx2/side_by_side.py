@@ -18,6 +18,10 @@ G elements/s, best of a few calls after one warm-up, 1 thread, the compiled path
                                     buffer) and dequantize (into a tensor), 200 calls
                                     after 3, every SCHEME x BITS x 2^LOG2 (comma
                                     lists), one JSON line (alternate.py runs it too)
+    side_by_side.py dynamo          where the time of one small quantize call goes
+                                    (fp32, 2^11 elements, 8-bit min-max): the whole
+                                    call, its compiled graph called through Dynamo,
+                                    the same graph called directly, median us
     side_by_side.py overhead        median us per call of a toy compiled graph shaped
                                     like the codec's (4 tensors written in place, a
                                     0-d tensor, dynamic first dimension): torch's own
@@ -116,6 +120,28 @@ def main(mode: str, label: str = "", scheme: str = "minmax", bits: str = "8,4") 
             for b in map(int, bits.split(",")):
                 res.append(f"2^{lg}/{b} {rate(x, QuantConfig(bits=b, scheme=scheme), 5):.3f}")
         print(label, *res)
+    elif mode == "dynamo":
+        from qcomm import compiled, reference
+
+        n, cfg = 2048, QuantConfig(bits=8)
+        x = torch.randn(n)
+        out = torch.empty(packed_nbytes(n, cfg), dtype=torch.uint8)
+        p = quantize(x, cfg, out=out)  # compiles, and its signatures are checked
+        run = compiled.compiled(reference.encode_buckets, bits=8, bucket_size=1024, sid=0,
+                                l2=False, stochastic=True, wide=False)
+        (through_dynamo,), (graph,) = run.functions(), run.graphs()
+        c = p.codes().view(2, 1024)
+        args = (x.view(2, 1024), p.meta().view(2, 2), c[:, :512], c[:, 512:],
+                reference.positions(512, x.device))
+        kwargs = dict(first=reference.index_tensor(0, x.device), divisor=torch.tensor(255.0),
+                      key=torch.scalar_tensor(reference.seed_key(0), dtype=torch.int64))
+        with torch.no_grad():
+            res = {"quantize": _median_us(functools.partial(quantize, x, cfg, out=out), 2000),
+                   "graph through Dynamo": _median_us(
+                       functools.partial(through_dynamo, *args, **kwargs), 2000),
+                   "graph directly": _median_us(
+                       functools.partial(graph.direct, args, kwargs), 2000)}
+        print(json.dumps({k: round(v, 1) for k, v in res.items()}))
     elif mode == "overhead":
         def toy(a, b, c, d, k):
             c.copy_(a * 2 + k)
