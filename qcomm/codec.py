@@ -183,7 +183,7 @@ def quantize(
         return packed
     sid = layout.effective_scheme_id(config.scheme, config.bits)
     divisor = _divisor_tensor(sid, config.bits, str(x.device))
-    key_t = torch.scalar_tensor(key, dtype=torch.int64, device=x.device)
+    key_t = reference.index_tensor(key, x.device)  # a 0-d int64 tensor: data to the graph
     reference.quantize_reference(
         flat, bits=config.bits, bucket_size=config.bucket_size, scheme=config.scheme,
         l2=config.norm == "l2", stochastic=config.rounding == "stochastic", key=key_t,

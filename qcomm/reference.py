@@ -257,35 +257,32 @@ def quantize_reference(
         most = max(stop - start for start, stop in chunks) * B  # buffer elements
         scratch = buf32 = None
         for r, stop in chunks:
-            rows = slice(r, stop)
+            def part(t, r=r, stop=stop):  # the chunk's rows (all of t: no view op)
+                return t if len(chunks) == 1 else t[r:stop]
+
             first = index_tensor(r, x.device)
-            src = xw if len(chunks) == 1 else xw[rows]
+            src, m, c = part(xw), part(mw), part(cw)
             if via32:
                 if buf32 is None:
                     buf32 = torch.empty(most, dtype=torch.float32, device=x.device)
-                src = buf32[: src.numel()].view(-1, B)
-                src.copy_(xw[rows])
+                src = buf32[: src.numel()].view(-1, B).copy_(src)
             if direct:
-                c = cw if len(chunks) == 1 else cw[rows]
-                encode(src, mw if len(chunks) == 1 else mw[rows], c[:, :H], c[:, H:], pos,
-                       first=first, key=key, divisor=divisor)
+                encode(src, m, c[:, :H], c[:, H:], pos, first=first, key=key, divisor=divisor)
                 continue
             if fp32:
                 if scratch is None:
                     scratch = torch.empty(most, dtype=torch.uint8, device=x.device)
                 dest = scratch[: src.numel()].view(-1, B)
-                encode(src, mw[rows], dest[:, :H], dest[:, H:], pos, first=first, key=key,
+                encode(src, m, dest[:, :H], dest[:, H:], pos, first=first, key=key,
                        divisor=divisor)
-                halves = (dest,)
+                halves = (dest, None)
             else:
-                halves = encode(src, mw[rows], None, None, pos, first=first, key=key,
-                                divisor=divisor)
+                halves = encode(src, m, None, None, pos, first=first, key=key, divisor=divisor)
                 if bits == 8:
-                    cw[rows, :H].copy_(halves[0])
-                    cw[rows, H:].copy_(halves[1])
+                    c[:, :H].copy_(halves[0])
+                    c[:, H:].copy_(halves[1])
                     continue
-            wrap(pack_buckets, bits=bits)(halves[0], halves[1] if len(halves) == 2 else None,
-                                          cw if len(chunks) == 1 else cw[rows])
+            wrap(pack_buckets, bits=bits)(*halves, c)
     for piece in singles:
         _encode_single(wrap(encode_bucket, **static), *piece, key=key, divisor=divisor,
                        bucket_size=B, bits=bits)
@@ -293,8 +290,9 @@ def quantize_reference(
 
 
 def index_tensor(i: int, device: torch.device) -> torch.Tensor:
-    """``i`` as a 0-d int64 tensor on ``device``: an index passed into a compiled graph as
-    data (a Python int would be a constant, and a new graph for each value). 0 is cached:
+    """``i`` as a 0-d int64 tensor on ``device``: an index (or the RNG key) passed into a
+    compiled graph as data (a Python int would be a constant, and a new graph for each
+    value). 0 is cached:
     the graphs only read it. ``torch.scalar_tensor`` takes 3 us here, ``torch.tensor`` 9."""
     return _zero_index(device) if i == 0 else torch.scalar_tensor(i, dtype=torch.int64,
                                                                   device=device)

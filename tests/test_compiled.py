@@ -9,16 +9,12 @@ from qcomm import QuantConfig, dequantize, quantize
 from qcomm import compiled as qc
 
 
-def _toy(a, out):
-    out.copy_(a * 2.0 + 1.0)
-
-
-def _toy_recompiled(a, out):  # the same, with a compile cache of its own
-    out.copy_(a * 2.0 + 1.0)
-
-
-def _toy_grad_modes(a, out):  # the same, with a compile cache of its own
-    out.copy_(a * 2.0 + 1.0)
+def _new_toy():
+    """``out = 2a + 1`` as a new function object: a compile cache of its own per test
+    (qcomm.compiled caches per function and copies its code object)."""
+    def toy(a, out):
+        out.copy_(a * 2.0 + 1.0)
+    return toy
 
 
 def _toy_with_break(a, out):
@@ -82,7 +78,7 @@ def test_repeated_codec_calls_skip_dynamo_with_the_same_bytes(cfg, dtype, monkey
 
 
 def test_direct_calls_need_a_validated_signature():
-    run = qc.compiled(_toy)
+    run = qc.compiled(_new_toy())
     # The first length compiles; another is served by the dynamic graph (no recompile):
     # each goes through Dynamo once, then directly.
     for rows in (6, 9):
@@ -103,7 +99,7 @@ def test_direct_calls_need_a_validated_signature():
 
 
 def test_a_recompile_turns_direct_calls_off():
-    run = qc.compiled(_toy_recompiled)
+    run = qc.compiled(_new_toy())
     a, out = torch.randn(5, 3), torch.empty(5, 3)
     run(a, out)
     run(a, out)
@@ -121,7 +117,7 @@ def test_the_callers_grad_mode_does_not_recompile():
     """Calls run with grad mode off: Dynamo guards on it, and a collective under
     torch.no_grad() after a call with grad on would compile a second graph (each call
     a new length, so that Dynamo runs it). Inference mode gets a graph of its own."""
-    run = qc.compiled(_toy_grad_modes)
+    run = qc.compiled(_new_toy())
     modes = (torch.enable_grad, torch.no_grad, torch.enable_grad, torch.inference_mode,
              torch.inference_mode)
     for rows, mode in enumerate(modes, start=5):
