@@ -40,6 +40,9 @@ def fmix32_int(h: int) -> int:
 
 def seed_key(seed: int) -> int:
     """Fold a seed (any int; its low 64 bits count) into the 32-bit key of the element
-    hash, as a uint32. Every path derives its key here, on the host."""
+    hash, returned as the int32 with those bits (what the torch path's int32 lanes and
+    a Triton int32 argument hold; ``key & MASK32`` is the uint32). Every path derives
+    its key here, on the host."""
     seed &= (1 << 64) - 1
-    return fmix32_int((seed & MASK32) ^ fmix32_int((seed >> 32) ^ GOLDEN_HI))
+    key = fmix32_int((seed & MASK32) ^ fmix32_int((seed >> 32) ^ GOLDEN_HI))
+    return key - (1 << 32) if key >= 1 << 31 else key
