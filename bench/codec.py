@@ -4,10 +4,10 @@ Providers, side by side on the same tensors:
 
 - ``triton``: the fused kernels (``impl="triton"``); CUDA only (the CPU interpreter is
   a correctness tool, not a speed path, so it is skipped there).
-- ``torch``: ``torch.compile`` of :mod:`qcomm.reference` (``impl="torch"``), compiled
+- ``torch``: ``torch.compile`` of :mod:`qcomm.cpu` (``impl="torch"``), compiled
   once per config before the timed loop. On CPU this *is* qcomm's data path; on GPU
   it is the baseline the Triton kernels must beat.
-- ``eager``: the reference uncompiled (off by default: slow).
+- ``eager``: the same path uncompiled (off by default: slow).
 - ``memcpy``: ``dst.copy_(src)`` of the source tensor, the bandwidth ceiling.
 
 GB/s counts the bytes an op must move, the same for every provider: quantize reads
@@ -15,7 +15,7 @@ GB/s counts the bytes an op must move, the same for every provider: quantize rea
 dequantize reads the payload and writes ``n * itemsize``; memcpy reads and writes
 ``n * itemsize``. ``frac`` is a provider's GB/s over memcpy's at the same size and
 dtype. Targets: CPU path >= 0.8x memcpy; GPU (Triton) >= 0.9x memcpy and faster than
-the compiled reference.
+the compiled torch path.
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
                    help="comma list or 'all' (default: all on GPU, float32,bfloat16 on CPU)")
     p.add_argument("--impls", type=common.arg(lambda s: common.parse_list(s, IMPLS, "--impls")),
                    default=["triton", "torch"], help="providers besides memcpy (triton runs "
-                   "on CUDA only; 'eager' is the uncompiled reference)")
+                   "on CUDA only; 'eager' is the uncompiled torch path)")
     p.add_argument("--iters", type=int, default=20, help="timed calls per point (median)")
     p.add_argument("--budget", type=float, default=1.0,
                    help="seconds per point; fewer iterations (>= 3) for slow points")

@@ -1,13 +1,16 @@
 """Shared ``@triton.jit`` helpers: the RNG and the bit packing of the wire format.
 
-Each one mirrors a function of ``qcomm/reference.py`` operation for operation, so the
-Triton and torch paths produce the same bytes (tests check it bit for bit).
+Each one computes what :mod:`qcomm.oracle` defines, operation for operation where the
+rounding decides a code, so the Triton and torch paths produce the same bytes (tests
+check it bit for bit against the oracle).
 """
-
-import os
 
 import triton
 import triton.language as tl
+
+from qcomm import constants as C
+from qcomm.config import triton_warps
+
 
 # One program per bucket. Warps per program: one per 1024 elements, 1 to 8 (a 1024
 # bucket: one warp, 32 values per thread). Fewer threads per bucket means fewer
@@ -17,23 +20,18 @@ import triton.language as tl
 # 36.5, 64 and 100 before round_codes took floor(t + u), 42, 65 and 100 before one hash
 # served two elements), and at
 # ~33 T instructions/s an H200 must stay under ~60 per element to quantize fp32 at its
-# 4.3 TB/s copy rate. QCOMM_TRITON_WARPS overrides it (bench/device_check.sh compares
-# settings); read once.
-_WARPS_OVERRIDE = int(os.environ.get("QCOMM_TRITON_WARPS", "0") or 0)
-
-
+# 4.3 TB/s copy rate. QCOMM_TRITON_WARPS overrides it (qcomm.config.triton_warps).
 def num_warps(bucket_size: int) -> int:
-    if _WARPS_OVERRIDE:
-        return _WARPS_OVERRIDE
-    return max(1, min(8, bucket_size // 1024))
+    return triton_warps() or max(1, min(8, bucket_size // 1024))
 
-# The same constants as qcomm/reference.py (murmur3 fmix32, golden-ratio Weyl steps).
-# Globals must be constexpr *instances*: triton 3.6 refuses the annotated form
-# (``X: tl.constexpr = ...``) that later versions and the interpreter accept.
-FMIX_C1 = tl.constexpr(0x85EBCA6B)
-FMIX_C2 = tl.constexpr(0xC2B2AE35)
-GOLDEN = tl.constexpr(0x9E3779B1)
-GOLDEN_HI = tl.constexpr(0x7F4A7C15)
+
+# qcomm.constants as Triton constants. Globals must be constexpr *instances*: triton
+# 3.6 refuses the annotated form (``X: tl.constexpr = ...``) that later versions and the
+# interpreter accept.
+FMIX_C1 = tl.constexpr(C.FMIX_C1)
+FMIX_C2 = tl.constexpr(C.FMIX_C2)
+GOLDEN = tl.constexpr(C.GOLDEN)
+GOLDEN_HI = tl.constexpr(C.GOLDEN_HI)
 
 
 @triton.jit
@@ -47,7 +45,7 @@ def fmix32(h):
 
 @triton.jit
 def pair_hash(counter, key, WIDE: tl.constexpr):
-    """``reference.pair_hash``: fmix32 of a pair counter; no state.
+    """the oracle's pair hash (``qcomm.cpu._common.pair_hash``): fmix32 of a pair counter; no state.
 
     ``WIDE``: ``counter`` is int64 and may reach 2^32. Otherwise it is int32 and the high
     word, always 0, is skipped (h ^ 0 * GOLDEN_HI == h): a 64-bit shift and a multiply
@@ -65,7 +63,7 @@ def pair_hash(counter, key, WIDE: tl.constexpr):
 
 @triton.jit
 def half_uniform(h, HIGH: tl.constexpr):
-    """``reference.half_uniform``: the low or high 16 bits of uint32 ``h`` as a uniform
+    """``qcomm.cpu._common.half_uniform``: the low or high 16 bits of uint32 ``h`` as a uniform
     in [0, 1) on a 2^-16 grid."""
     if HIGH:
         b = h >> 16
@@ -74,14 +72,13 @@ def half_uniform(h, HIGH: tl.constexpr):
     return b.to(tl.float32) * (1.0 / 65536.0)
 
 
-# reference.TINY and reference.BOOST (see reference._bucket_stats)
-TINY = tl.constexpr(2.0**-100)
-BOOST = tl.constexpr(2.0**64)
+TINY = tl.constexpr(C.TINY)
+BOOST = tl.constexpr(C.BOOST)
 
 
 @triton.jit
 def reciprocal_step(step):
-    """(s, 1 / (step * s)) of ``reference._bucket_stats``: ``v / step`` is computed as
+    """(s, 1 / (step * s)) of ``qcomm.cpu.quantize._bucket_stats``: ``v / step`` is computed as
     ``(v * s) * inv``, one division per bucket, not per element; 0 where ``step`` is not
     > 0."""
     s = tl.where(step < TINY, BOOST, 1.0)
@@ -91,7 +88,7 @@ def reciprocal_step(step):
 
 @triton.jit
 def round_codes(t, u, TOP: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """``reference._round_codes``: level position ``t >= 0`` to ``floor(t + u)``
+    """``qcomm.cpu._common._round_codes``: level position ``t >= 0`` to ``floor(t + u)``
     (stochastic; one fp32 add, unfused: the kernels run with fusion off) or to nearest,
     ties down (``u`` unused); clamped to [0, TOP]."""
     if STOCHASTIC:
@@ -112,7 +109,7 @@ def row_layout(bits: int, elem_size: int) -> tuple[int, int]:
     payloads that are not, and the header and fp32 metadata before them are whole
     words); 0: byte by byte (3, 5, 6 and 7 bits).
 
-    Measured on an H200 (bench/results/nvidia-h200): rows of 4 made fp32 2/4-bit
+    Measured on an H200 (``bash bench/device_check.sh``): rows of 4 made fp32 2/4-bit
     quantize 5-9 points of copy bandwidth faster and bf16 4-11 points slower than rows
     of 8, hence the choice by element size.
     """
@@ -126,7 +123,7 @@ def row_layout(bits: int, elem_size: int) -> tuple[int, int]:
 def tile_args(config, n: int, elem_size: int, halves: bool = False) -> dict:
     """The launch arguments both kernels share: tile shape, storage and index width.
     ``halves``: tiles of half a bucket where a half is whole rows (quantize: one hash
-    per pair of halves, reference.uniform); PAIRED says whether it is."""
+    per pair of halves, qcomm.oracle's uniforms); PAIRED says whether it is."""
     B = config.bucket_size
     R, WORD = row_layout(config.bits, elem_size)
     paired = halves and B % (2 * R) == 0

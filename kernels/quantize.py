@@ -7,7 +7,7 @@ element, the least any quantizer can move.
 
 Where a half bucket is whole tile rows (``PAIRED``: buckets of a multiple of 16
 elements, the default 1024 among them) the bucket is two tiles, one per half, and one
-hash draws the random offsets of both (``reference.uniform``: element p and p + B/2
+hash draws the random offsets of both (``qcomm.oracle``'s uniforms: element p and p + B/2
 share it); other buckets are one tile whose elements each select their pair's hash.
 """
 
@@ -71,7 +71,7 @@ def _bucket_stats(x, valid, x1, valid1, PAIRED: tl.constexpr, SCHEME: tl.constex
 def _bucket_meta(meta_ptr, bucket, z, a, b, SCHEME: tl.constexpr, LEVELS: tl.constexpr,
                  L2: tl.constexpr):
     """Store the bucket's metadata from its statistics; return what the codes need
-    (offset, s, inv, bad): ``reference._bucket_stats``."""
+    (offset, s, inv, bad): ``qcomm.cpu.quantize._bucket_stats``."""
     bad = z != z
     if SCHEME == 0:
         offset = a
@@ -96,7 +96,7 @@ def _bucket_meta(meta_ptr, bucket, z, a, b, SCHEME: tl.constexpr, LEVELS: tl.con
 @triton.jit
 def _tile_codes(x, offset, s, inv, bad, u, BITS: tl.constexpr, SCHEME: tl.constexpr,
                 LEVELS: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """int32 codes of a tile: ``reference._codes``; ``u`` the uniforms (stochastic)."""
+    """int32 codes of a tile: ``qcomm.cpu.quantize._codes``; ``u`` the uniforms (stochastic)."""
     if SCHEME == 0:
         t = tl.where(bad, 0.0, ((x - offset) * s) * inv)
         codes = round_codes(t, u, LEVELS - 1, STOCHASTIC)
@@ -129,7 +129,7 @@ def _quantize_kernel(
     codes_ptr,  # *uint8 [ceil(n/8) * BITS]: packed codes
     n,  # number of elements
     n_rows,  # ceil(n / 8) * (8 // R): rows up to the end of the last group of 8
-    key,  # 32-bit RNG key of this call (reference.seed_key)
+    key,  # 32-bit RNG key of this call (qcomm.constants.seed_key)
     BITS: tl.constexpr,  # 1..8
     B: tl.constexpr,  # bucket size, a multiple of 8
     R: tl.constexpr,  # elements per tile row (_common.row_layout)

@@ -4,14 +4,19 @@ Paths (``impl=``):
 
 - ``"triton"``: the fused kernels of ``qcomm.kernels`` (CUDA tensors; CPU tensors only
   under ``TRITON_INTERPRET=1``, how CI runs them).
-- ``"torch"``: :mod:`qcomm.reference` compiled with ``torch.compile`` (one compile per
-  scheme, bits, bucket and dtype, cached; dynamic in the size; repeated calls of one
-  signature skip Dynamo, :mod:`qcomm.compiled`). Set ``QCOMM_COMPILE=0`` to run it
-  eagerly instead.
-- ``"eager"``: the reference uncompiled (slow; the oracle tests compare against).
+- ``"torch"``: the tuned torch path, :mod:`qcomm.cpu`, compiled with ``torch.compile``
+  (one compile per scheme, bits, bucket and dtype, cached; dynamic in the size;
+  repeated calls of one signature skip Dynamo, :mod:`qcomm.cpu.compiled`). Set
+  ``QCOMM_COMPILE=0`` to run it eagerly instead.
+- ``"eager"``: the same path uncompiled (slow per call, no compile).
 
-``impl=None`` picks ``"triton"`` for CUDA tensors and ``"torch"`` otherwise. All paths
-produce the same bytes for the same seed.
+``impl=None`` picks ``"triton"`` for CUDA tensors and ``"torch"`` otherwise. Both paths
+have the same launcher signature (``quantize(x, meta, codes, config, key)``,
+``dequantize(meta, codes, out, config, accumulate)``) and produce the bytes of
+:mod:`qcomm.oracle`, the readable reference, for the same seed.
+
+Every op runs under ``torch.no_grad()``: an ``nn.Parameter`` (or any tensor that
+requires grad) is read like any other tensor, and nothing here builds a graph.
 
 Non-contiguous inputs are accepted (read through a contiguous copy); inputs are never
 written.
@@ -20,14 +25,16 @@ written.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
-from . import layout, reference
-from .compiled import compiled
-from .config import QuantConfig
+from . import cpu, layout
+from .config import QuantConfig, compile_enabled, triton_interpreted
+from .constants import seed_key
+from .cpu import dequantize as cpu_dequantize
+from .cpu import quantize as cpu_quantize
+from .cpu.compiled import compiled
 from .layout import DTYPE_IDS, HEADER_NBYTES, packed_nbytes
 
 IMPLS = ("triton", "torch", "eager")
@@ -78,12 +85,6 @@ def _header_cached(numel, dtype, config, device) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
 
 
-@functools.lru_cache(maxsize=64)
-def _divisor_tensor(sid: int, bits: int, device: str) -> torch.Tensor:
-    # A 0-d tensor, not a Python float: Inductor would turn x / constant into a multiply.
-    return torch.tensor(reference.divisor_for(sid, bits), device=device)
-
-
 def describe(payload: torch.Tensor) -> dict:
     """Parse a payload's header (numel, dtype, bits, scheme, ...) without decoding it."""
     if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8:
@@ -102,19 +103,27 @@ def _select_impl(device: torch.device, impl: str | None) -> str:
         impl = "triton" if device.type == "cuda" else "torch"
     elif impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
-    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if impl == "triton" and device.type != "cuda" and not triton_interpreted():
         raise ValueError(
             f"impl='triton' needs CUDA tensors (got device {device}); on CPU set "
             "TRITON_INTERPRET=1 before importing triton, or use impl='torch'"
         )
-    if impl == "torch" and os.environ.get("QCOMM_COMPILE", "1") == "0":
+    if impl == "torch" and not compile_enabled():
         return "eager"
     return impl
 
 
-def _wrap(path: str):
-    """How :mod:`qcomm.reference` runs its pieces on this path: compiled or eagerly."""
-    return reference.eager if path == "eager" else compiled
+@functools.cache
+def _launchers(path: str):
+    """(quantize, dequantize) of one path, with the same signatures."""
+    if path == "triton":
+        from .kernels import dequantize as kd
+        from .kernels import quantize as kq
+
+        return kq.quantize, kd.dequantize
+    wrap = compiled if path == "torch" else cpu._common.eager
+    return (functools.partial(cpu_quantize.quantize, wrap=wrap),
+            functools.partial(cpu_dequantize.dequantize, wrap=wrap))
 
 
 def _check_config(config) -> QuantConfig:
@@ -123,6 +132,7 @@ def _check_config(config) -> QuantConfig:
     return config
 
 
+@torch.no_grad()
 def quantize(
     x: torch.Tensor,
     config: QuantConfig,
@@ -174,20 +184,8 @@ def quantize(
     flat = x if x.dim() == 1 else x.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    key = reference.seed_key(seed)
-    meta, codes = packed.meta(), packed.codes()
-    if path == "triton":
-        from .kernels import quantize as kq
-
-        kq.quantize(flat, meta, codes, config, key)
-        return packed
-    sid = layout.effective_scheme_id(config.scheme, config.bits)
-    divisor = _divisor_tensor(sid, config.bits, str(x.device))
-    key_t = reference.index_tensor(key, x.device)  # a 0-d int64 tensor: data to the graph
-    reference.quantize_reference(
-        flat, bits=config.bits, bucket_size=config.bucket_size, scheme=config.scheme,
-        l2=config.norm == "l2", stochastic=config.rounding == "stochastic", key=key_t,
-        divisor=divisor, meta_out=meta, codes_out=codes, wrap=_wrap(path))
+    encode, _ = _launchers(path)
+    encode(flat, packed.meta(), packed.codes(), config, seed_key(seed))
     return packed
 
 
@@ -225,6 +223,7 @@ def _check_payload(packed: Packed) -> None:
                          + "; ".join(diff))
 
 
+@torch.no_grad()
 def dequantize(
     packed: Packed,
     *,
@@ -262,50 +261,12 @@ def dequantize(
         result = torch.empty(shape, dtype=packed.dtype, device=device)
     if n == 0:
         return result
-    config = packed.config
-    if path == "triton":
-        from .kernels import dequantize as kd
-
-        def decode(into, acc):
-            kd.dequantize(packed.meta(), packed.codes(), into, config, acc)
-    else:
-        def decode(into, acc):
-            reference.dequantize_reference(
-                packed.meta(), packed.codes(), into, bits=config.bits,
-                bucket_size=config.bucket_size, scheme=config.scheme, accumulate=acc,
-                wrap=_wrap(path))
-    # The kernels store every float dtype, and so does the compiled path on CUDA (chunks
-    # would be kernel launches) and on AVX2 where the word decode applies: its lane groups
-    # match Inductor's 16-wide tiling of a 16-bit store (reference.lane_group). Into
-    # bf16, 1 thread, 2^24 elements, Zen 3, G elements/s, staged (2^18 decoded to fp32 at
-    # a time and converted; each chunk a compiled call) -> direct: 4 bits 1.08-1.14 ->
-    # 3.0-4.1, 8 bits 1.06-1.09 -> 2.8-3.4; 3 bits (bytes) 0.38-0.41 staged, 0.22 direct.
-    # On AVX-512 a direct 16-bit store was measured (with the older 16-lane groups) 2-9x
-    # slower than staged, so it stays staged there: into bf16, 2^22 elements: minmax
-    # 8-bit 0.81 -> 2.0 G elements/s, minmax 4-bit 0.53 -> 1.8, nuq 4-bit 0.16 -> 1.6.
-    if path == "triton" or device.type == "cuda":
-        direct = FLOAT_DTYPES
-    elif (reference.vector_lanes() < 16
-          and reference.lane_group(config.bits, config.bucket_size, result.dtype)):
-        direct = FLOAT_DTYPES
-    else:
-        direct = (torch.float32,)
-    if result.is_contiguous() and (accumulate or result.dtype in direct):
-        decode(result.view(-1), accumulate)
-    elif result.is_contiguous() and not accumulate:  # 16-bit out on the torch path
-        reference.dequantize_reference(
-            packed.meta(), packed.codes(), result, bits=config.bits,
-            bucket_size=config.bucket_size, scheme=config.scheme, wrap=_wrap(path),
-            staged=max(1, _CHUNK // config.bucket_size))
-    else:  # non-contiguous out: decode, then store
+    decode = _launchers(path)[1]
+    if result.is_contiguous():
+        decode(packed.meta(), packed.codes(), result.view(-1), packed.config, accumulate)
+    else:  # decode, then store
         tmp = torch.empty(n, dtype=torch.float32, device=device)
-        decode(tmp, False)
-        reference.store(result, tmp.view(result.shape), accumulate)
+        decode(packed.meta(), packed.codes(), tmp, packed.config, False)
+        cpu._common.store(result, tmp.view(result.shape), accumulate)
     return result
 
-
-# Elements the CPU path decodes at once into a 16-bit output (``staged`` buckets of
-# reference.dequantize_reference): 2^18, 1 MiB of fp32 that stays in cache. A full-size
-# fp32 buffer cost a fresh, page-faulting allocation per call: minmax 8-bit into bf16 at
-# 2^26 elements ran at 1.4 GB/s that way, 2.6 fused.
-_CHUNK = 1 << 18

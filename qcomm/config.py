@@ -1,11 +1,15 @@
-"""Frozen, validated configuration for the codec and the process group.
+"""Frozen, validated configuration for the codec and the process group, and the one
+place that reads the environment.
 
-Every knob lives here; :func:`comm_config_from_env` is the one place environment
-variables map onto it, so a bad value fails at group creation naming the variable.
+Every knob lives here: :func:`comm_config_from_env` maps the ``QCOMM_*`` variables of a
+group onto a :class:`CommConfig` (a bad value fails at group creation naming the
+variable); :func:`compile_enabled`, :func:`triton_interpreted` and :func:`triton_warps`
+are the codec's process-wide switches. No other module reads ``os.environ``.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -205,3 +209,40 @@ def comm_config_from_env(
         seed=_parse_int(env, "QCOMM_SEED", base.seed),
         inner=inner,
     )
+
+
+# ---------------------------------------------------------------------------------
+# Process-wide switches of the codec
+
+
+def compile_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """``QCOMM_COMPILE``: ``0`` runs the torch path eagerly (no ~10-25 s first-call
+    compile; slower per call); anything else, or unset, compiles it. Read per call, so a
+    test or benchmark can switch it."""
+    env = os.environ if env is None else env
+    return env.get("QCOMM_COMPILE", "1").strip() != "0"
+
+
+def triton_interpreted(env: Mapping[str, str] | None = None) -> bool:
+    """Whether Triton runs its interpreter (``TRITON_INTERPRET=1``, set before triton is
+    imported): the kernels then run on CPU tensors, how CI tests them."""
+    env = os.environ if env is None else env
+    return env.get("TRITON_INTERPRET", "").strip() == "1"
+
+
+WARPS = (1, 2, 4, 8, 16, 32)
+
+
+@functools.cache
+def triton_warps() -> int:
+    """``QCOMM_TRITON_WARPS``: warps per kernel program, overriding the choice by bucket
+    size (``bench/device_check.sh`` compares settings); 0 or unset: by bucket. Read once,
+    at the first launch."""
+    raw = os.environ.get("QCOMM_TRITON_WARPS", "").strip() or "0"
+    try:
+        warps = int(raw)
+    except ValueError:
+        raise ValueError(f"QCOMM_TRITON_WARPS={raw!r} is not an integer") from None
+    if warps and warps not in WARPS:
+        raise ValueError(f"QCOMM_TRITON_WARPS={raw!r}: expected 0 (by bucket) or one of {WARPS}")
+    return warps

@@ -1,12 +1,12 @@
-"""The compiled CPU path's calls that skip Dynamo (qcomm.compiled): taken only for
+"""The compiled CPU path's calls that skip Dynamo (qcomm.cpu.compiled): taken only for
 calls Dynamo already ran on the function's one graph, and the same bytes as the eager
-reference either way."""
+path either way."""
 
 import pytest
 import torch
 
 from qcomm import QuantConfig, dequantize, quantize
-from qcomm import compiled as qc
+from qcomm.cpu import compiled as qc
 
 
 def _new_toy():

@@ -1,4 +1,4 @@
-"""The compiled CPU path: :mod:`qcomm.reference`'s pieces under ``torch.compile``, one
+"""The compiled CPU path: :mod:`qcomm.cpu`'s pieces under ``torch.compile``, one
 graph per configuration, and calls of that graph that skip Dynamo once it is known to
 serve them.
 
@@ -6,7 +6,7 @@ Why skip it: a call of a compiled function goes through Dynamo's frame evaluatio
 guards and its disable/enable wrappers before the graph runs. Here (2-core Zen 3 VM,
 torch 2.13) the 8-bit quantize graph of 2048 fp32 elements took 140-162 us a call
 through Dynamo and 44-48 us called directly, arguments gathered as below included
-(two runs of ``bench/results/cpu-amd-epyc-2c-avx2/side_by_side.py dynamo``). A codec
+(two runs of ``bench/experiments/side_by_side.py dynamo``). A codec
 call makes one to three such calls.
 
 How it stays correct: the graph is the one Dynamo compiled (a backend that hands
@@ -21,7 +21,7 @@ nothing (every result written into an argument) or exactly the tensors the funct
 returns. For a graph that returns tensors, the first call of each signature runs twice,
 through Dynamo and directly, and the signature is kept only if both give the same
 tensors in the same order; such a function must give the same result when run twice
-(:func:`qcomm.reference.encode_buckets` from 16-bit inputs: it writes its metadata and
+(:func:`qcomm.cpu.quantize.encode_buckets` from 16-bit inputs: it writes its metadata and
 returns its codes). Any other call goes through Dynamo as before, which then may add its
 signature. Calls run with grad mode off, so it is one state for every call (Dynamo
 guards on it: a caller's grad mode used to recompile the graphs).
@@ -64,7 +64,7 @@ def inductor_options() -> dict:
                                        "realize_acc_reads_threshold") if hasattr(config, name)}
 
 
-class Graph:
+class CompiledPiece:
     """What Dynamo compiled for one function: the graph count, and the first graph's
     callable with the recipe for its flat inputs (None where it cannot be called
     directly)."""
@@ -171,7 +171,7 @@ def _signature(args: tuple, kwargs: dict):
 
 @functools.cache
 def compiled(fn, **static):
-    """``fn`` (a :mod:`qcomm.reference` piece) with the keyword arguments ``static``
+    """``fn`` (a :mod:`qcomm.cpu` piece) with the keyword arguments ``static``
     fixed, compiled: one graph per static key (scheme, bits, bucket size, ...), device
     type and dtypes of the tensors passed, dynamic in the first dimension (length or
     bucket count) unless ``fn.static_shapes``.
@@ -197,7 +197,7 @@ def compiled(fn, **static):
         fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
                                    fn.__defaults__, fn.__closure__)
         fresh.__kwdefaults__ = {**(fn.__kwdefaults__ or {}), **static}
-        graph = Graph(params, inductor_options() if unrealized else {})
+        graph = CompiledPiece(params, inductor_options() if unrealized else {})
         # Only the first dimension is dynamic: dynamic=True would make the baked-in ints
         # (bits, bucket size) symbolic too, and loops of symbolic length over a bucket
         # vectorize badly (a max over [2^14, 1024]: 5 GB/s against 15 static).

@@ -1,0 +1,260 @@
+"""What the tuned torch path's two ops share: the hash as int32 lane arithmetic, bucket
+reductions, rounding, bit packing, and how a flat tensor splits into full buckets and
+single ones. Every function computes the bits :mod:`qcomm.oracle` defines; its shape
+is chosen for the C++ Inductor writes from it (the comments give the measurements).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch
+
+from ..constants import FMIX_C1, FMIX_C2, GOLDEN, GOLDEN_HI
+from ..layout import levels
+
+
+def _i32(c: int) -> int:
+    """A uint32 constant as the int32 with the same bits."""
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+def _srl(h: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int32 ``h`` (torch's ``>>`` is arithmetic)."""
+    return (h >> s) & ((1 << (32 - s)) - 1)
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    # int32 multiplies wrap mod 2^32 like the kernels' uint32 ones; xor and the
+    # logical shifts see the same 32 bits, so the result is the uint32 hash's bits.
+    h = h ^ _srl(h, 16)
+    h = h * _i32(FMIX_C1)
+    h = h ^ _srl(h, 13)
+    h = h * _i32(FMIX_C2)
+    return h ^ _srl(h, 16)
+
+
+def pair_hash(counter: torch.Tensor, key: int | torch.Tensor) -> torch.Tensor:
+    """``fmix32((lo32(c) * GOLDEN + key) ^ (hi32(c) * GOLDEN_HI))`` of int64 or int32
+    counters ``c``, as int32 bits (wrapping multiplies: the kernels' uint32 bits). An
+    int32 counter (all below 2^31: the kernels' ``WIDE=False``) has a high word of 0,
+    and ``h ^ 0 * GOLDEN_HI == h``: the 64-bit shift, conversion and multiply are
+    skipped, the same bits. 32-bit lanes: twice the vector width of int64 on the CPU.
+    """
+    h = counter.to(torch.int32) * _i32(GOLDEN) + key  # lo32(c): truncates mod 2^32
+    if counter.dtype != torch.int32:
+        h = h ^ ((counter >> 32).to(torch.int32) * _i32(GOLDEN_HI))
+    return _fmix32(h)
+
+
+def half_uniform(h: torch.Tensor, high: bool | torch.Tensor) -> torch.Tensor:
+    """The low (``high`` False) or high 16 bits of hash ``h`` as a uniform in [0, 1) on a
+    2^-16 grid (exact in fp32)."""
+    if isinstance(high, bool):
+        bits16 = _srl(h, 16) if high else h & 0xFFFF
+    else:
+        bits16 = torch.where(high, _srl(h, 16), h & 0xFFFF)
+    return bits16.to(torch.float32) * (1.0 / 65536.0)
+
+
+def uniform(index: torch.Tensor, key: int | torch.Tensor, bucket_size: int) -> torch.Tensor:
+    """The stochastic-rounding uniform of every element ``index`` (int32 or int64):
+    counter-based, a function of (key, index, bucket size) only.
+
+    Element ``p`` of bucket ``b`` (``p < B``, ``H = B / 2``) and element ``p + H`` are a
+    pair: both hash counter ``c = b * H + p mod H`` once; the first half takes the low 16
+    bits of the hash, the second half the high 16 (:func:`half_uniform`). One hash per
+    two elements: the hash is the largest part of the quantize loop (fmix32: two 32-bit
+    multiplies and three shift-xors), and halving it took the CPU 8-bit code loop from
+    0.72 to 0.94 G elements/s (Zen 3, 1 thread). Halves, not neighbours: both are
+    contiguous runs, so each vector of one half meets its partner vector of the other
+    (CPU) and each thread its partner row (kernels). Rounding to ``floor(t + u)``
+    is unbiased to within 2^-16 of a step.
+    """
+    B = bucket_size
+    H = B // 2
+    pos = index % B
+    high = pos >= H
+    counter = index // B * H + torch.where(high, pos - H, pos)
+    return half_uniform(pair_hash(counter, key), high)
+
+
+def _bucket_reduce(t: torch.Tensor, op) -> torch.Tensor:
+    """Reduce each bucket (row of ``t``) to ``[buckets, 1]`` in two stages: across rows of 16
+    (or 8) lanes first, then the lanes. Inductor vectorizes the first stage vertically:
+    measured 25 GB/s for a max over [2^14, 1024] fp32 against 5 GB/s reducing each row
+    at once (dynamic shapes, 2 cores). Exact for min and max; the NaN test of a sum is
+    order-free; the fp64 L2 sum rounds to the same fp32 as any other order w.h.p.
+    """
+    n_buckets, B = t.shape
+    lanes = 16 if B % 16 == 0 else 8
+    return op(op(t.view(n_buckets, B // lanes, lanes), dim=1), dim=1, keepdim=True)
+
+
+def divisor_for(scheme_id: int, bits: int) -> float:
+    """What the scale is divided by to get the step: ``L - 1`` (minmax), ``c`` (maxnorm)."""
+    L = levels(scheme_id, bits)
+    return float(L - 1) if scheme_id == 0 else (L - 1) / 2.0
+
+
+def _round_codes(t: torch.Tensor, u: torch.Tensor | None, top: int) -> torch.Tensor:
+    """Round level position ``t >= 0`` (NaN-free): stochastically to ``floor(t + u)``
+    with uniforms ``u`` (:func:`uniform`), to nearest (ties down) where ``u`` is None;
+    clamp to ``top``.
+
+    ``t + u`` is one fp32 add: where it is inexact it rounds to nearest, which moves a
+    sum within half an ulp below an integer up to it. Below 256 that half ulp is at most
+    2^-17, under the 2^-16 spacing of ``u``, so it changes the rounding of at most one
+    value of ``u`` in 65536: a bias under 2^-16 of a step, the order of the grid's own
+    (sums from 256 up clamp to ``top`` <= 255 either way). The kernels do the same add
+    and floor (no FMA: they run with fusion off), the same bits. Against
+    ``floor(t) + (t - floor(t) > 1 - u)``, AVX2 instructions of the 8-bit code loop
+    (Zen 3) per 16 fp32 elements: maxnorm 80 -> 70, min-max (fused) 101 -> 93; per 32
+    bf16: min-max 212 -> 188, maxnorm 189 -> 173.
+
+    fp32 throughout: the codes are small integers, exact in fp32, and the same values as
+    the kernels' int32 arithmetic, but converting to uint8 straight from fp32 is one
+    instruction on AVX2 where int32 -> uint8 has no vector conversion in Inductor's C++
+    (a loop through a buffer): 8-bit code stores 0.92 G elements/s from int32, 2.39 from
+    fp32 (Zen 3, 1 thread). Selects, not ``lo + (frac > 0.5)`` and ``clamp``: a compare
+    and a blend each, where the bool-to-float add took four AVX2 instructions and
+    ``clamp`` six (its NaN propagation: ``t`` has none)."""
+    if u is None:
+        lo = torch.floor(t)
+        v = torch.where(t - lo > 0.5, lo + 1.0, lo)
+    else:
+        v = torch.floor(t + u)
+    return torch.where(v > top, float(top), v)
+
+
+def eager(fn, **static):
+    """The default ``wrap`` of the codec entry points: run ``fn`` as it is."""
+    return functools.partial(fn, **static)
+
+
+def index_tensor(i: int, device: torch.device) -> torch.Tensor:
+    """``i`` as a 0-d int64 tensor on ``device``: an index (or the RNG key) passed into a
+    compiled graph as data (a Python int would be a constant, and a new graph for each
+    value). 0 is cached:
+    the graphs only read it. ``torch.scalar_tensor`` takes 3 us here, ``torch.tensor`` 9."""
+    return _zero_index(device) if i == 0 else torch.scalar_tensor(i, dtype=torch.int64,
+                                                                  device=device)
+
+
+@functools.cache
+def _zero_index(device: torch.device) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.int64, device=device)
+
+
+def _pieces(flat, meta, codes, *, bucket_size, bits, words):
+    """Split the elements ``flat`` (1-D), their ``meta`` and ``codes`` into ``whole``, the
+    full buckets as ``([buckets, B], [buckets, words], [buckets, B * bits / 8])`` views
+    (None unless there are two or more), and ``singles``, the buckets to go one at a
+    time, as 1-D views ``(elements, meta, codes, first element index)``: the partial
+    last bucket and a lone full one. (Dynamo specializes sizes 0 and 1, so a [1, B] call of the full
+    buckets' graph would compile a second graph: seconds, on two cores.)"""
+    B = bucket_size
+    full = flat.numel() // B
+    nbytes = full * B * bits // 8  # bucket sizes are multiples of 8: whole bytes
+    whole, singles = None, []
+    if full >= 2:
+        whole = (_rows(flat, full, B), _rows(meta, full, words), _rows(codes, full, B * bits // 8))
+    elif full == 1:
+        singles.append((flat[:B], meta[:words], codes[:nbytes], 0))
+    if full * B < flat.numel():
+        singles.append((flat[full * B:], meta[full * words:], codes[nbytes:], full * B))
+    return whole, singles
+
+
+def _rows(t: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """The first ``rows * width`` elements of 1-D ``t`` as [rows, width]: one view op
+    where that is all of ``t`` (each op costs ~3 us of a per-call cost of ~100-200)."""
+    return t.view(rows, width) if t.numel() == rows * width else t[: rows * width].view(rows,
+                                                                                      width)
+
+
+def _row_chunks(n_buckets: int, step: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges of at most ``step`` + 1 of ``n_buckets >= 2`` bucket rows, none of
+    one row: a lone last row joins the chunk before it (as in :func:`_pieces`, a [1, B]
+    call would compile a second graph)."""
+    bounds = [*range(0, n_buckets, max(2, step)), n_buckets]
+    if bounds[-1] - bounds[-2] == 1:
+        del bounds[-2]
+    return list(itertools.pairwise(bounds))
+
+
+def _bytes(v: torch.Tensor) -> torch.Tensor:
+    """Integer values in [0, 255] as uint8; int32 through fp32 (exact), which AVX2 converts
+    in one instruction and int32 -> uint8 not at all (see _round_codes)."""
+    return v if v.dtype == torch.uint8 else v.to(torch.float32).to(torch.uint8)
+
+
+def _byte_pieces(bits: int, m: int):
+    """(k, shift) of the codes overlapping byte m of a group's word: shift = k*bits - 8m."""
+    return [(k, k * bits - 8 * m) for k in range(8)
+            if k * bits < 8 * m + 8 and (k + 1) * bits > 8 * m]
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integer codes (int32 or uint8) [..., m] (m a multiple of 8) -> uint8
+    [..., m * bits / 8], 8 codes per ``bits`` bytes along the last dimension.
+
+    Group g's word ``w = sum_k codes[8g + k] << (k * bits)`` is stored little-endian in
+    bytes ``[g * bits, (g + 1) * bits)``. Each byte is built from the codes that overlap
+    it, so every code is computed once (bits dividing 8) or at most twice (3, 5, 6, 7
+    bits): a reduction over the 8 codes of a group would run scalar under Inductor.
+    """
+    lead = codes.shape[:-1]
+    if bits == 8:
+        return _bytes(codes)
+    if 8 % bits == 0:
+        per = 8 // bits
+        g = codes.view(*lead, -1, per)
+        byte = g[..., 0]
+        for k in range(1, per):
+            byte = byte | (g[..., k] << (k * bits))
+        return _bytes(byte)
+    g = codes.view(*lead, -1, 8)
+    out = []
+    for m in range(bits):
+        byte = None
+        for k, shift in _byte_pieces(bits, m):
+            piece = (g[..., k] << shift) if shift >= 0 else (g[..., k] >> -shift)
+            byte = piece if byte is None else byte | piece
+        out.append(byte & 0xFF)
+    return _bytes(torch.stack(out, dim=-1)).reshape(*lead, -1)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: uint8 [..., m] -> int32 codes [..., m * 8 / bits]."""
+    lead = packed.shape[:-1]
+    mask = (1 << bits) - 1
+    if bits == 8:
+        return packed.to(torch.int32)
+    if 8 % bits == 0:
+        # One plane per position in the byte (contiguous loads, strided stores): a single
+        # broadcast shift over [bytes, 8 / bits] made Inductor gather (~1 GB/s).
+        wide = packed.to(torch.int32)
+        planes = [(wide >> (s * bits)) & mask for s in range(8 // bits)]
+        return torch.stack(planes, dim=-1).reshape(*lead, -1)
+    g = packed.view(*lead, -1, bits).to(torch.int32)
+    out = []
+    for k in range(8):
+        code = None
+        for m in range(bits):
+            shift = k * bits - 8 * m
+            if not -bits < shift < 8:  # byte m holds none of code k
+                continue
+            piece = (g[..., m] >> shift) if shift >= 0 else (g[..., m] << -shift)
+            code = piece if code is None else code | piece
+        out.append(code & mask)
+    return torch.stack(out, dim=-1).reshape(*lead, -1)
+
+
+def store(dst: torch.Tensor, y: torch.Tensor, accumulate: bool) -> None:
+    """``dst += y`` (accumulate) or ``dst[...] = y``."""
+    if accumulate:
+        dst.add_(y)
+    else:
+        dst.copy_(y)

@@ -1,0 +1,232 @@
+"""Dequantize on the tuned torch path: :func:`dequantize` decodes a payload's
+metadata and codes into an output (stored or accumulated), the values of
+:func:`qcomm.oracle.dequantize`, from pieces that :mod:`qcomm.cpu.compiled` compiles.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..layout import effective_scheme_id, levels, meta_words
+from ._common import _pieces, _row_chunks, eager, store, unpack_codes
+
+
+def dequantize(meta: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, config,
+               accumulate: bool, *, wrap=eager) -> None:
+    """Decode a payload's ``meta`` and ``codes`` views into contiguous ``out`` (any float
+    dtype; with ``accumulate``, fp32, added into): the same signature as
+    ``qcomm.kernels.dequantize.dequantize``, plus ``wrap`` (compiled or eager). Checked
+    by :mod:`qcomm.codec`, the one caller.
+
+    A 16-bit ``out`` is stored directly where the word decode's lane groups match
+    Inductor's 16-wide tiling of a 16-bit store (AVX2, :func:`lane_group`), and on CUDA
+    (chunks would be kernel launches); elsewhere it is decoded ``_STAGED`` elements at a
+    time into fp32 and converted. Into bf16, 1 thread, 2^24 elements, Zen 3, G
+    elements/s, staged -> direct: 4 bits 1.08-1.14 -> 3.0-4.1, 8 bits 1.06-1.09 ->
+    2.8-3.4; 3 bits (bytes) 0.38-0.41 staged, 0.22 direct. On AVX-512 a direct 16-bit
+    store was measured (with the older 16-lane groups) 2-9x slower than staged: into
+    bf16, 2^22 elements, minmax 8-bit 0.81 -> 2.0 G elements/s staged, minmax 4-bit
+    0.53 -> 1.8, nuq 4-bit 0.16 -> 1.6."""
+    kw = dict(bits=config.bits, bucket_size=config.bucket_size, scheme=config.scheme,
+              wrap=wrap)
+    direct = (accumulate or out.dtype == torch.float32 or out.device.type == "cuda"
+              or (vector_lanes() < 16 and lane_group(config.bits, config.bucket_size,
+                                                     out.dtype)))
+    if direct:
+        dequantize_flat(meta, codes, out, accumulate=accumulate, **kw)
+    else:
+        dequantize_flat(meta, codes, out, staged=max(1, _STAGED // config.bucket_size), **kw)
+
+
+# Elements decoded at once into a 16-bit output where it is staged: 2^18, 1 MiB of fp32
+# that stays in cache. A full-size fp32 buffer cost a fresh, page-faulting allocation
+# per call: minmax 8-bit into bf16 at 2^26 elements ran at 1.4 GB/s that way, 2.6 fused.
+_STAGED = 1 << 18
+
+
+@functools.cache
+def vector_lanes() -> int:
+    """fp32 lanes of the SIMD vectors Inductor compiles the CPU path for: 16 (AVX-512),
+    8 (AVX2), ...; 16 where it cannot tell (the shapes stay valid, only slower).
+    Called outside the compiled graphs (it probes the compiler once)."""
+    try:
+        from torch._inductor import cpu_vec_isa
+
+        isa = cpu_vec_isa.pick_vec_isa()
+        return int(isa.nelements(torch.float32)) if isa else 16
+    except Exception:  # an internal module: its changes must not break the codec
+        return 16
+
+
+@functools.cache
+def lane_group(bits: int, bucket_size: int, out_dtype: torch.dtype = torch.float32,
+               lanes: int | None = None) -> int | None:
+    """Codes per lane group of the word decode (:func:`unpack_words`) into ``out_dtype``
+    on a machine of ``lanes`` fp32 lanes (default :func:`vector_lanes`); None where the
+    bytes are read one by one (:func:`unpack_codes`): 3, 5, 6 and 7 bits, 8 bits on
+    16 lanes, or buckets that are not whole groups.
+
+    A group is one vector of the loop Inductor writes, which it tiles by the narrowest
+    float it stores: ``lanes`` for fp32 outputs, twice that for bf16/fp16 (at least the
+    32 codes of one int32 word at 1 bit). A group of another width breaks the loop into
+    scalar code or per-lane index tables. Decode of [2^14, 1024], 8 bits, Zen 3 (AVX2,
+    8 lanes), 1 thread, G elements/s: fp32 out 2.58 (group 8) / 1.83 (16); bf16 out
+    0.30 (8) / 3.44 (16) / 0.23 (32); 4 bits into bf16 0.56 (8) / 3.61 (16).
+
+    8 bits go through words only on 8-lane machines: AVX2's ``Vectorized<uint8_t>`` has
+    no 8-byte load (Inductor copies each 8 bytes through a buffer first): 0.69 G
+    elements/s from bytes against 2.58 from words; AVX-512 loads 16 bytes directly (23
+    GB/s from bytes, memcpy speed, ``python -m bench codec``).
+    """
+    lanes = vector_lanes() if lanes is None else lanes
+    if bits not in (1, 2, 4) and not (bits == 8 and lanes < 16):
+        return None
+    tile = lanes * (4 // out_dtype.itemsize)
+    group = max(tile, 32 // bits)
+    return group if bucket_size % group == 0 else None
+
+
+def unpack_words(packed: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """:func:`unpack_codes` for 1, 2, 4 and 8 bits, as ``[n / group, group]``, read as
+    int32 words: lane s of a group takes word ``j = s * bits // 32`` shifted right by
+    ``s * bits - 32 * j`` (one broadcast word per group, or a blend of several). Word
+    and shift are both chosen by the same comparisons of ``s``, so every index Inductor
+    sees is affine in the lane: a ``% 32`` made it build a per-lane shift table (scalar
+    code), and a shift table as a tensor is an int32 vector load, which AVX2's
+    ``Vectorized<int32_t>`` does through a buffer (8 bits into fp32: 2.58 -> 1.83 G
+    elements/s with a table). The byte planes of :func:`unpack_codes` store with a
+    stride and stay scalar: decode of 2^22 fp32 elements at 2 and 4 bits, 1 thread,
+    AVX-512 (``python -m bench codec``, before and after): 4.3-6.4 GB/s
+    from byte planes, 13-26 GB/s from words. ``packed`` holds whole groups and starts
+    4-byte aligned (the payload layout guarantees both for full buckets).
+    """
+    words_per_group = group * bits // 32
+    w = packed.view(torch.int32).view(-1, words_per_group)
+    pos = torch.arange(group, dtype=torch.int32, device=packed.device) * bits  # bit offset
+    last = words_per_group - 1
+    word, shift = w[:, last:], pos - 32 * last
+    for j in range(last - 1, -1, -1):
+        in_word = pos < 32 * (j + 1)  # lanes s of word j and below
+        word = torch.where(in_word, w[:, j:j + 1], word)
+        shift = torch.where(in_word, pos - 32 * j, shift)
+    # Arithmetic shifts are fine: the mask drops the sign copies above bit 31 - shift.
+    return (word >> shift) & ((1 << bits) - 1)
+
+
+def dequantize_flat(
+    meta: torch.Tensor,
+    codes: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    bits: int,
+    bucket_size: int,
+    scheme: str,
+    accumulate: bool = False,
+    wrap=eager,
+    staged: int | None = None,
+    group: int | None | str = "auto",
+) -> torch.Tensor:
+    """Decode into ``out`` (contiguous, ``numel`` elements; cast to its dtype), or with
+    ``accumulate`` add the fp32 decode into it; returns ``out``.
+
+    As :func:`qcomm.cpu.quantize.quantize_flat`, two kinds of call through ``wrap``:
+    :func:`decode_buckets` on the full buckets as ``[buckets, B]`` views, :func:`decode_bucket`
+    on one bucket at a time (the partial last one; a lone full one) into a B-element
+    fp32 buffer, stored from there.
+    ``staged``: decode that many buckets at a time into an fp32 buffer and convert from
+    there into ``out`` (the codec's CPU path for 16-bit outputs on AVX-512; not with
+    accumulate). ``group``: codes per lane group of the full buckets' word decode, None
+    for byte by byte; ``"auto"``: :func:`lane_group` for this machine and the dtype
+    the decode stores. Every choice gives the same values.
+    """
+    if staged is not None and accumulate:
+        raise ValueError("dequantize_flat: staged decoding stores; it cannot accumulate")
+    B = bucket_size
+    sid = effective_scheme_id(scheme, bits)
+    if group == "auto":  # (on a GPU, Inductor writes Triton: the 16-lane shapes stay)
+        group = lane_group(bits, B, torch.float32 if staged else out.dtype,
+                           lanes=None if out.device.type == "cpu" else 16)
+    whole, singles = _pieces(out.view(-1), meta, codes, bucket_size=B, bits=bits,
+                             words=meta_words(sid))
+    run_whole = wrap(decode_buckets, group=group, bits=bits, bucket_size=B, sid=sid,
+                     accumulate=accumulate)
+    # dtype- and accumulate-free: one graph per configuration (_decode_single stores)
+    run_single = wrap(decode_bucket, bits=bits, bucket_size=B, sid=sid)
+    if whole and staged is None:
+        run_whole(whole[1], whole[2], whole[0])
+    elif whole:
+        o, m, c = whole
+        chunks = _row_chunks(o.shape[0], staged)
+        buf = torch.empty(max(stop - r for r, stop in chunks) * B, dtype=torch.float32,
+                          device=out.device)
+        for r, stop in chunks:
+            tmp = buf[: (stop - r) * B].view(-1, B)
+            run_whole(m[r:stop], c[r:stop], tmp)
+            o[r:stop].copy_(tmp)
+    for o, m, c, _ in singles:
+        _decode_single(run_single, m, c, o, bucket_size=B, bits=bits, accumulate=accumulate)
+    return out
+
+
+def decode_buckets(meta, codes, out, *, bits, bucket_size, sid, accumulate, group):
+    """Decode full buckets: ``codes`` [buckets, B * bits / 8] under ``meta`` [buckets, words] into
+    ``out`` [buckets, B]: from int32 words (:func:`unpack_words`) as [buckets, B / G, G] where
+    ``group`` G is given (:func:`lane_group`), else byte by byte."""
+    n_buckets, B = out.shape[0], bucket_size
+    if group is None:
+        k = unpack_codes(codes, bits)
+        y = _decode_buckets(meta, k, bits=bits, sid=sid)
+    else:
+        k = unpack_words(codes, bits, group).view(n_buckets, B // group, group)
+        y = _decode_buckets(meta.unsqueeze(1), k, bits=bits, sid=sid)
+        out = out.view(n_buckets, B // group, group)
+    store(out, y, accumulate)
+
+
+def _decode_single(decode, meta, codes, out, *, bucket_size, bits, accumulate):
+    """One bucket of ``out.numel() <= B`` elements (1-D) through the compiled ``decode``
+    (:func:`decode_bucket`) into a B-element fp32 buffer, then stored (cast or added)
+    into ``out``: fixed shapes, one graph for every length, dtype and ``accumulate``
+    (as :func:`_encode_single`). The same values: the graph computes each in fp32,
+    and one cast or one fp32 add follows, here as there."""
+    B = bucket_size
+    nbytes = B * bits // 8
+    if codes.numel() < nbytes:
+        full = torch.zeros(nbytes, dtype=torch.uint8, device=codes.device)
+        full[: codes.numel()].copy_(codes)
+        codes = full
+    if out.numel() == B and out.dtype == torch.float32 and not accumulate:
+        decode(meta, codes, out)  # a lone full bucket into fp32: no buffer
+        return
+    y = torch.empty(B, dtype=torch.float32, device=out.device)
+    decode(meta, codes, y)
+    store(out, y[: out.numel()], accumulate)
+
+
+def decode_bucket(meta, codes, out, *, bits, bucket_size, sid):
+    """Decode one bucket: ``codes`` [B * bits / 8] under ``meta`` [words] into fp32 ``out``
+    [B] (the codes past a partial bucket's end are zeros: values to be dropped)."""
+    k = unpack_codes(codes, bits)
+    out.copy_(_decode_buckets(meta.view(1, -1), k.view(1, bucket_size), bits=bits,
+                              sid=sid).view(-1))
+
+
+decode_bucket.static_shapes = True
+
+
+def _decode_buckets(m: torch.Tensor, k: torch.Tensor, *, bits: int, sid: int) -> torch.Tensor:
+    """fp32 values of codes ``k`` [buckets, ..., b] under per-bucket meta ``m``
+    [buckets, ..., words] (the middle dimensions broadcast)."""
+    L = levels(sid, bits)
+    if sid == 0:
+        return m[..., :1] + k.to(torch.float32) * m[..., 1:2]
+    if sid == 1:
+        return (k.to(torch.float32) - (L - 1) / 2.0) * m
+    M = L - 1
+    j = k & ((1 << (bits - 1)) - 1)
+    level = ((127 - M + j) << 23).view(torch.float32)
+    level = torch.where(j == 0, 0.0, level)
+    mag = m * level
+    return torch.where((k >> (bits - 1)) == 1, -mag, mag)
