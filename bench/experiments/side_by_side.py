@@ -1,5 +1,6 @@
 """CPU quantize throughput for side-by-side runs of two trees (run once per tree,
-alternating, from /tmp with PYTHONPATH set to the tree; README.md has each command).
+alternating, from /tmp with PYTHONPATH set to the tree; docs/cpu-path.md has each
+command).
 G elements/s, best of a few calls after one warm-up, 1 thread, the compiled path.
 
     side_by_side.py chunks          every dtype, size, scheme and bits of the chunking
@@ -121,20 +122,23 @@ def main(mode: str, label: str = "", scheme: str = "minmax", bits: str = "8,4") 
                 res.append(f"2^{lg}/{b} {rate(x, QuantConfig(bits=b, scheme=scheme), 5):.3f}")
         print(label, *res)
     elif mode == "dynamo":
-        from qcomm import compiled, reference
+        from qcomm.constants import seed_key
+        from qcomm.cpu import compiled
+        from qcomm.cpu import quantize as cpu_quantize
+        from qcomm.cpu._common import index_tensor
 
         n, cfg = 2048, QuantConfig(bits=8)
         x = torch.randn(n)
         out = torch.empty(packed_nbytes(n, cfg), dtype=torch.uint8)
         p = quantize(x, cfg, out=out)  # compiles, and its signatures are checked
-        run = compiled.compiled(reference.encode_buckets, bits=8, bucket_size=1024, sid=0,
+        run = compiled.compiled(cpu_quantize.encode_buckets, bits=8, bucket_size=1024, sid=0,
                                 l2=False, stochastic=True, wide=False)
         (through_dynamo,), (graph,) = run.functions(), run.graphs()
         c = p.codes().view(2, 1024)
         args = (x.view(2, 1024), p.meta().view(2, 2), c[:, :512], c[:, 512:],
-                reference.positions(512, x.device))
-        kwargs = dict(first=reference.index_tensor(0, x.device), divisor=torch.tensor(255.0),
-                      key=torch.scalar_tensor(reference.seed_key(0), dtype=torch.int64))
+                cpu_quantize.positions(512, x.device))
+        kwargs = dict(first=index_tensor(0, x.device), divisor=torch.tensor(255.0),
+                      key=torch.scalar_tensor(seed_key(0), dtype=torch.int64))
         with torch.no_grad():
             res = {"quantize": _median_us(functools.partial(quantize, x, cfg, out=out), 2000),
                    "graph through Dynamo": _median_us(

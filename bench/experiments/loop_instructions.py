@@ -3,9 +3,9 @@ quantize configuration: compiles it into a fresh Inductor cache and disassembles
 kernel there (``objdump -d``), printing each backward branch's loop body length (loops
 of more than 20 instructions; ``*``: the loop hashes (vpmulld), a code loop; ``+``: it
 floors (vroundps): min-max and maxnorm code loops, and a graph without the hash, as in
-dither-groups.diff). The full-bucket graph's code loop is the first starred one of the
-kernel with the reductions (one iteration: 16 fp32 or 32 bf16 elements); that count is
-what the README and ``qcomm/reference.py`` quote.
+the dropped dither-table experiment, docs/cpu-path.md). The full-bucket graph's code
+loop is the first starred one of the kernel with the reductions (one iteration: 16 fp32
+or 32 bf16 elements); that count is what docs/cpu-path.md and ``qcomm/cpu/`` quote.
 
     loop_instructions.py SCHEME BITS DTYPE     e.g. minmax 8 float32
 """

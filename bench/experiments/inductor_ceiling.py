@@ -4,6 +4,8 @@ in one process, in alternating rounds (this VM drifts 10-30% between runs of a p
 
     inductor_ceiling.py ROUNDS OUT.json [THREADS]   (from /tmp, PYTHONPATH = the tree)
 
+An OUT.json without a folder goes to ``bench/results/cpu-amd-epyc-2c-avx2/``.
+
 2^24 fp32 elements, THREADS torch threads (default 1). Each point: GB/s of bytes read + written (as
 ``python -m bench codec`` counts them), the median over rounds of the best of 5 calls
 per round, and that as a fraction of the same rounds' memcpy. The toys:
@@ -24,12 +26,14 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from qcomm import QuantConfig, packed_nbytes, quantize
 
 N, B = 1 << 24, 1024
+RESULTS = Path(__file__).resolve().parent.parent / "results" / "cpu-amd-epyc-2c-avx2"
 
 
 def _srl(h, s):
@@ -98,7 +102,7 @@ def main(rounds: int, out: str, threads: int = 1) -> None:
         for name, (fn, moved) in points.items():
             runs[name].append(moved / best(fn) / 1e9)
     med = {name: statistics.median(v) for name, v in runs.items()}
-    with open(out, "w") as f:
+    with open(out if "/" in out else RESULTS / out, "w") as f:
         json.dump({"numel": N, "rounds": rounds, "threads": threads, "torch": torch.__version__,
                    "capability": torch.backends.cpu.get_cpu_capability(),
                    "gbps_runs": runs}, f, indent=1)
