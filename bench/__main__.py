@@ -9,11 +9,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 
-from . import codec, collectives, train
+from . import codec, collectives, common, train
 
 
 def parser() -> argparse.ArgumentParser:
@@ -38,7 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
     args.command = " ".join(["python", "-m", "bench", *argv])  # the run header's record
-    return args.main(args)
+    rc = args.main(args)
+    lead = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 writes the files
+    if rc == 0 and lead and not args.no_plot and not common.have_matplotlib():
+        # the README's set-up installs the [test] extra, which has no matplotlib
+        print("# PNG plots skipped: matplotlib is not installed "
+              "(pip install -e '.[plot]' to get them); JSON and CSV were written",
+              file=sys.stderr)
+    return rc
 
 
 if __name__ == "__main__":
