@@ -262,7 +262,7 @@ def run_header(what: str, *, device: str, link: str | None = None,
         "gpus": _gpus(),
         # isa: the vector instructions torch (and Inductor's CPU code) use: the CPU
         # codec's speed depends on it (AVX2 vs AVX-512: different loops, see
-        # qcomm/reference.py), so two machines of one model name differ by it.
+        # qcomm/cpu/), so two machines of one model name differ by it.
         "cpu": {"model": _cpu_model(), "cores": cores, "usable_cores": usable,
                 "memory_gib": _mem_total_gib(), "isa": _cpu_isa()},
         "host": platform.node(),

@@ -216,7 +216,7 @@ def worker(spec: dict) -> None:
     import torch.distributed as dist
 
     import qcomm
-    from qcomm.collectives import group_state
+    from qcomm.driver import group_state
 
     pin_this_rank()
     dist.init_process_group("qcomm", timeout=datetime.timedelta(seconds=spec["op_timeout"]))

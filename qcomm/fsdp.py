@@ -50,6 +50,8 @@ import torch
 import torch.distributed as dist
 
 from . import collectives as C
+from . import driver
+from . import inner as I
 from .config import QuantConfig
 
 try:  # torch >= 2.9
@@ -102,36 +104,33 @@ class DeltaAllGather(_PerModule, _AllGatherBase):
     @torch.no_grad()
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False):
-        out, inp, group, world = C._checked_pair("DeltaAllGather", output_tensor,
-                                                 input_tensor, group, gathered=True)
-        state, inner = C.group_state(group), C.inner_group(group)
-        C.ensure_agreed(group, state, inner, "all_gather", inp.device)
-        q = self.config if self.config is not None else C.quant_config(
-            "all_gather", state, None)
+        out, inp, group, world = C.check_flat_pair("DeltaAllGather", output_tensor,
+                                                   input_tensor, group, gathered=True)
         n = inp.numel()
-        if not C.compressible(inp, n, world, q, state.config.min_numel):
-            nbytes = C._peer_bytes(world, n * inp.element_size())
-            state.stats.record("all_gather", compressed=False, logical=nbytes, wire=nbytes)
-            return C._finish(C.inner_all_gather(inner, out, inp), async_op, "all_gather",
-                             inner.rank())
-        ref = self._buffer(group, world, n, inp.device)
-        slots = list(ref.chunk(world))
-        delta = inp.float() - slots[inner.rank()]  # reads inp (a view into out) first
-        with state.lock:
-            call = state.next_call()
-            seed = C.call_seed(state.config.seed ^ q.seed, call, inner.rank())
-            agreement = C.start_agreement(inner, state, "all_gather", n, delta.dtype, q,
-                                          None, call, inp.device)
-            nb = C.packed_all_gather(inner, slots, delta, q, state, seed, agreement,
-                                     accumulate=True)
-        out.copy_(ref)  # non-finite weights arrive non-finite (their buckets decode NaN)...
-        ref.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # ...but are not remembered:
-        # those entries restart from zero, the same on every rank (ref is identical), so
-        # weights repaired after a bad step (a reloaded checkpoint) come back next gather
-        state.stats.record("all_gather", compressed=True,
-                           logical=C._peer_bytes(world, n * inp.element_size()),
-                           wire=C._peer_bytes(world, nb))
-        return C.completed_work([out]) if async_op else None
+
+        def exact():
+            inner = I.inner_group(group)
+            return driver.finish(I.all_gather(inner, out, inp), async_op, "all_gather",
+                                 inner.rank())
+
+        def compressed(call: driver.Call) -> int:
+            ref = self._buffer(group, world, n, inp.device)
+            slots = list(ref.chunk(world))
+            delta = inp.float() - slots[call.rank]  # reads inp (a view into out) first
+            check = call.check_descriptors(n, delta.dtype, None, inp.device)
+            nbytes = C.packed_all_gather(call, slots, delta, call.seed(call.rank),
+                                         check=check, accumulate=True)
+            out.copy_(ref)  # non-finite weights arrive non-finite (buckets decode NaN)...
+            ref.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # ...but are not remembered:
+            # those entries restart from zero, the same on every rank (ref is identical),
+            # so weights repaired after a bad step (a reloaded checkpoint) come back next
+            # gather
+            return driver.peer_bytes(world, nbytes)
+
+        return driver.run(group, "all_gather", tensor=inp, numel=n,
+                          logical=driver.peer_bytes(world, n * inp.element_size()),
+                          exact=exact, compressed=compressed, result=[out],
+                          config=self.config, async_op=async_op)
 
 
 class ErrorFeedbackReduceScatter(_PerModule, _ReduceScatterBase):
@@ -148,8 +147,9 @@ class ErrorFeedbackReduceScatter(_PerModule, _ReduceScatterBase):
     @torch.no_grad()
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op=dist.ReduceOp.SUM, async_op: bool = False):
-        out, inp, group, world = C._checked_pair("ErrorFeedbackReduceScatter", output_tensor,
-                                                 input_tensor, group, gathered=False)
+        out, inp, group, world = C.check_flat_pair("ErrorFeedbackReduceScatter",
+                                                   output_tensor, input_tensor, group,
+                                                   gathered=False)
         chunks = list(inp.reshape(-1).chunk(world)) if out.numel() else []
 
         def residuals(world: int, n: int, device: torch.device) -> list[torch.Tensor]:

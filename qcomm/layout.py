@@ -36,6 +36,20 @@
 
 The header makes every payload self-describing: a receiver checks it against what it
 expects and names any mismatch instead of decoding garbage.
+
+The call descriptor: before a compressed call's payloads move, the ranks of a CPU group
+all-gather one fixed-size descriptor each and compare them (qcomm/handshake.py), so
+ranks that disagree on the size, dtype, config, collective, op or call index get an
+error instead of mismatched messages (gloo aborts the process on those)::
+
+    offset 0                    32     33     34           40                48
+    +---------------------------+------+------+------------+-----------------+
+    | the payload header above  | kind | op   | reserved 0 | call index      |
+    | (all-reduce: whole tensor)| u8   | u8   | 6 bytes    | uint64 LE       |
+    +---------------------------+------+------+------------+-----------------+
+    kind: 1 all-gather, 2 reduce-scatter, 3 all-reduce
+    op:   the reduce op's RedOpType value, 255 for an all-gather
+    call index: the compressed calls this group has made before this one
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ from __future__ import annotations
 import torch
 
 HEADER_NBYTES = 32
+DESC_NBYTES = 48
 ALIGN = 16  # every payload's size is a multiple of this
 MAGIC = b"QC"
 VERSION = 1
@@ -126,3 +141,24 @@ def decode_header(header: bytes) -> dict:
         "bucket_size": int.from_bytes(header[8:12], "little"),
         "numel": int.from_bytes(header[16:24], "little"),
     }
+
+
+KIND_IDS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3}
+KIND_NAMES = {v: k for k, v in KIND_IDS.items()}
+NO_OP = 255  # the descriptor's op byte of an all-gather
+
+
+def encode_descriptor(kind: str, numel: int, dtype: torch.dtype, config, op_id: int,
+                      call: int) -> bytes:
+    """The 48-byte descriptor of one compressed call (drawn above)."""
+    return (encode_header(numel, dtype, config) + bytes([KIND_IDS[kind], op_id]) + bytes(6)
+            + (call & ((1 << 64) - 1)).to_bytes(8, "little"))
+
+
+def decode_descriptor(desc: bytes) -> dict:
+    """Parse a descriptor: the header's fields plus ``kind``, ``op_id`` and ``call``;
+    ``ValueError`` if it is not one (its header or kind byte is not qcomm's)."""
+    if len(desc) != DESC_NBYTES or desc[32] not in KIND_NAMES:
+        raise ValueError(f"not a qcomm call descriptor (first bytes {bytes(desc[:8])!r})")
+    return {**decode_header(desc[:HEADER_NBYTES]), "kind": KIND_NAMES[desc[32]],
+            "op_id": desc[33], "call": int.from_bytes(desc[40:48], "little")}

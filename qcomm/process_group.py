@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from . import collectives as C
+from . import driver, handshake
+from . import inner as I
 from .config import CommConfig, comm_config_from_env
 
 BACKEND_NAME = "qcomm"
@@ -32,7 +34,7 @@ def _combine(works: list):
     works = [w for w in works if w is not None]
     for w in works[:-1]:
         w.wait()
-    return works[-1] if works else C.completed_work()
+    return works[-1] if works else I.completed_work()
 
 
 def _reduce_op(opts):
@@ -42,7 +44,7 @@ def _reduce_op(opts):
     return getattr(opts, "reduceOp", opts)
 
 
-def _uniform(outs: list[torch.Tensor], like: torch.Tensor, world: int) -> bool:
+def _is_flat_form(outs: list[torch.Tensor], like: torch.Tensor, world: int) -> bool:
     """Whether a list form is the flat form in disguise: ``world`` contiguous tensors of
     ``like``'s size, dtype and device."""
     return len(outs) == world and all(
@@ -61,7 +63,7 @@ class QcommProcessGroup(dist.ProcessGroup):
             raise TypeError(f"config must be a qcomm.CommConfig, got {config!r}")
         super().__init__(inner.rank(), inner.size())
         self.inner = inner
-        self._qcomm_state = C.GroupState(config)
+        self._qcomm_state = driver.GroupState(config)
         self._owns_inner = owns_inner
         self._qcomm_name: str | None = None
         self._qcomm_desc = "undefined"
@@ -120,7 +122,7 @@ class QcommProcessGroup(dist.ProcessGroup):
             exact = self._exact_allgather(outs, inp)
             works.append(C.gather_into(self, list(outs), None, inp, async_op=True,
                                        exact=exact,
-                                       can_compress=_uniform(outs, inp, self.size())))
+                                       can_compress=_is_flat_form(outs, inp, self.size())))
         return _combine(works)
 
     def _exact_allgather(self, outs, inp):
@@ -148,10 +150,9 @@ class QcommProcessGroup(dist.ProcessGroup):
         op = _reduce_op(opts)
         works = []
         for out, chunks in zip(output_tensors, input_tensors, strict=True):
-            uniform = _uniform(chunks, out, self.size())
             works.append(C.scatter_from(self, out, list(chunks), None, op, async_op=True,
                                         exact=self._exact_reduce_scatter(out),
-                                        can_compress=uniform))
+                                        can_compress=_is_flat_form(chunks, out, self.size())))
         return _combine(works)
 
     def _exact_reduce_scatter(self, out):
@@ -178,7 +179,7 @@ class QcommProcessGroup(dist.ProcessGroup):
 
     # -- everything else: exact, through the inner group ----------------------------
     def all_to_all_single(self, *args, **kwargs):
-        return C._method(self.inner, "all_to_all_single", "alltoall_base")(*args, **kwargs)
+        return I.method(self.inner, "all_to_all_single", "alltoall_base")(*args, **kwargs)
 
     alltoall_base = all_to_all_single
 
@@ -188,7 +189,7 @@ class QcommProcessGroup(dist.ProcessGroup):
         pass
 
     def _end_coalescing(self, device):
-        return C.completed_work()
+        return I.completed_work()
 
     def shutdown(self) -> None:
         if self._owns_inner:
@@ -266,40 +267,11 @@ def make_inner(store, rank: int, size: int, timeout, spec: str | None) -> dist.P
     return pg
 
 
-def _check_agreement(store, rank: int, size: int, config: CommConfig) -> None:
-    """Every rank must run the same config, compared through the store once at group
-    creation (rank 0 against all; every other rank against rank 0), so that a rank
-    started with other ``QCOMM_*`` variables fails ``init_process_group`` / ``new_group``
-    naming both configs. Without it ranks could choose differently between compressed
-    and exact calls, and gloo aborts the process on messages of unexpected size.
-
-    The other agreements (collectives.py): groups made by :func:`wrap` and plain groups
-    used through the direct functions compare configs at their first collective; every
-    compressed call on a CPU group then compares a descriptor (size, dtype, config,
-    kind, op, call index) before its payloads move; received payload headers are
-    checked as well."""
-    mine = repr(config)
-    # A store outlives its groups (torchrun's agent store; init_process_group after
-    # destroy_process_group reuses the group name): each rank counts the groups it made
-    # on this store, and ranks compare under that count. Unnumbered, a rank could read a
-    # peer's config from the previous group (a false mismatch, or a false match).
-    made = store.add(f"qcomm/made/{rank}", 1)
-    store.set(f"qcomm/config/{made}/{rank}", mine)
-    peers = range(1, size) if rank == 0 else (0,)
-    for peer in peers:
-        theirs = store.get(f"qcomm/config/{made}/{peer}").decode()
-        if theirs != mine:
-            raise ValueError(
-                f"qcomm config differs between ranks: rank {rank} has {mine}, rank {peer} "
-                f"has {theirs} (check the QCOMM_* environment variables)"
-            )
-
-
 def _create(store, rank: int, size: int, timeout) -> QcommProcessGroup:
     """The creator ``init_process_group("qcomm")`` / ``new_group`` call."""
     config = comm_config_from_env()  # a bad QCOMM_* value fails here, naming it
     inner = make_inner(store, rank, size, timeout, config.inner)
-    _check_agreement(store, rank, size, config)
+    handshake.check_at_creation(store, rank, size, config)
     pg = QcommProcessGroup(inner, config)
     pg._qcomm_state.agreed = True  # just checked: no exchange at the first collective
     return pg
@@ -316,8 +288,8 @@ def wrap(group=None, config: CommConfig | None = None) -> QcommProcessGroup:
     """A qcomm group over an existing ``group`` (default: the default group), sharing
     its connections; usable with ``dist.*`` calls, DeviceMesh and FSDP like any group.
     ``config`` defaults to the ``QCOMM_*`` environment."""
-    group = _c10d._get_default_group() if group is None else group
-    inner = C.inner_group(group)
+    group = I.default(group)
+    inner = I.inner_group(group)
     config = comm_config_from_env() if config is None else config
     pg = QcommProcessGroup(inner, config, owns_inner=False)
     name = f"{group.group_name}:qcomm:{id(pg):x}"

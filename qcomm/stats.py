@@ -90,7 +90,7 @@ def stats(group=None, *, reset: bool = False) -> dict[str, CollectiveStats]:
     (:func:`qcomm.all_gather_into_tensor`, ...). ``reset=True`` zeroes them after
     reading.
     """
-    from .collectives import group_state  # collectives imports this module
+    from .driver import group_state  # the driver imports this module
 
     counters = group_state(group).stats
     snap = counters.snapshot()

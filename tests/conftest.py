@@ -108,6 +108,15 @@ def run_ranks(fn, world: int, *args, backend: str = "qcomm", env: dict | list | 
         return [got.get(r) for r in range(world)]
 
 
+def make(rank: int, n: int, dtype: torch.dtype = torch.float32, salt: int = 0, *,
+         spread: bool = True) -> torch.Tensor:
+    """Rank ``rank``'s test input: ``n`` normal values, reproducible per (rank, salt);
+    with ``spread`` scaled by ``1 + rank``, so ranks' ranges differ."""
+    g = torch.Generator().manual_seed(1000 * salt + rank)
+    x = torch.randn(n, generator=g)
+    return (x * (1 + rank) if spread else x).to(dtype)
+
+
 def assert_close_where(actual: torch.Tensor, expected: torch.Tensor, atol,
                        what: str = "") -> None:
     """Assert |actual - expected| <= atol (a float or a per-element tensor), reporting

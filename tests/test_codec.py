@@ -38,6 +38,28 @@ def test_header_bytes_literal():
     assert qcomm.describe(p.payload)["numel"] == 10
 
 
+def test_call_descriptor_bytes_literal():
+    """The 48-byte call descriptor (layout.py): the payload header, kind, op, 6 reserved
+    zero bytes, the call index as uint64 LE; and back."""
+    from qcomm import layout
+
+    cfg = QuantConfig(bits=4, bucket_size=8, scheme="nuq", norm="l2", rounding="nearest")
+    desc = layout.encode_descriptor("reduce_scatter", 10, torch.bfloat16, cfg, 4, 258)
+    assert desc == (
+        b"QC" + bytes([1, 4, 2, 0b11, 1, 0]) + (8).to_bytes(4, "little") + bytes(4)
+        + (10).to_bytes(8, "little") + bytes(8)
+        + bytes([2, 4]) + bytes(6) + bytes([2, 1, 0, 0, 0, 0, 0, 0])
+    )
+    assert len(desc) == layout.DESC_NBYTES
+    got = layout.decode_descriptor(desc)
+    assert (got["kind"], got["op_id"], got["call"], got["numel"], got["bits"]) == (
+        "reduce_scatter", 4, 258, 10, 4)
+    ag = layout.encode_descriptor("all_gather", 1, torch.float32, QuantConfig(), layout.NO_OP, 0)
+    assert ag[32:34] == bytes([1, 255])
+    with pytest.raises(ValueError, match="not a qcomm call descriptor"):
+        layout.decode_descriptor(bytes(48))
+
+
 @pytest.mark.parametrize(
     "bits, codes, expected",
     [
@@ -317,6 +339,19 @@ def test_bad_out_and_payload():
     garbage = qcomm.Packed(torch.zeros_like(p.payload), 100, torch.float32, cfg)
     with pytest.raises(ValueError, match="not a qcomm payload"):
         dequantize(garbage, impl=EAGER)
+
+
+@pytest.mark.parametrize("impl", ["eager", "torch"])
+def test_parameters_quantize_on_every_path(impl):
+    """An nn.Parameter (a leaf that requires grad) is read like any tensor: the eager
+    path used to raise "a leaf Variable that requires grad is being used in an in-place
+    operation"; the same bytes as its data, and no graph built."""
+    cfg = QuantConfig(bits=4, bucket_size=64)
+    w = torch.nn.Parameter(torch.randn(3 * 64 + 5))
+    p = quantize(w, cfg, seed=1, impl=impl)
+    assert torch.equal(p.payload, quantize(w.detach(), cfg, seed=1, impl=impl).payload)
+    y = dequantize(p, impl=impl)
+    assert not y.requires_grad and y.grad_fn is None
 
 
 def test_inputs_never_written_and_noncontiguous_ok():

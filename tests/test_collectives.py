@@ -15,23 +15,19 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_close_where, run_ranks
+from conftest import assert_close_where, make, run_ranks
 from torch.distributed import ReduceOp
 
 import qcomm
 from qcomm import CommConfig, QuantConfig
-from qcomm.collectives import CONFIG_NBYTES, DESC_NBYTES, _method
-from qcomm.layout import packed_nbytes
+from qcomm.handshake import CONFIG_NBYTES
+from qcomm.inner import method as _method
+from qcomm.layout import DESC_NBYTES, packed_nbytes
 
 pytestmark = pytest.mark.slow
 
 Q8 = QuantConfig(bits=8, bucket_size=1024)
 Q4 = QuantConfig(bits=4, bucket_size=128, rounding="nearest")
-
-
-def make(rank: int, n: int, dtype=torch.float32, salt: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * salt + rank)
-    return (torch.randn(n, generator=g) * (1 + rank)).to(dtype)
 
 
 def bucket_steps(x: torch.Tensor, q: QuantConfig) -> torch.Tensor:
@@ -256,7 +252,7 @@ def test_async_seeds_validation_mismatch():
 def _agree_in_threads(store, cfg0, cfg1, *, late0: bool = False) -> dict:
     """Ranks 0 and 1 check their configs through ``store`` (rank 0 0.3 s late when
     ``late0``); returns {rank: error message} of the ranks that raised."""
-    from qcomm.process_group import _check_agreement
+    from qcomm.handshake import check_at_creation as _check_agreement
 
     errors = {}
 

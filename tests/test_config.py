@@ -37,3 +37,21 @@ def test_common_and_per_collective_settings():
 def test_bad_values_name_the_variable(env, name):
     with pytest.raises(ValueError, match=name):
         comm_config_from_env(env)
+
+
+def test_process_wide_switches(monkeypatch):
+    from qcomm import config
+
+    assert config.compile_enabled({}) and not config.compile_enabled({"QCOMM_COMPILE": "0"})
+    assert config.triton_interpreted({"TRITON_INTERPRET": "1"})
+    assert not config.triton_interpreted({})
+    for raw, want in (("", 0), ("4", 4)):
+        monkeypatch.setenv("QCOMM_TRITON_WARPS", raw)
+        config.triton_warps.cache_clear()
+        assert config.triton_warps() == want
+    for bad in ("3", "many"):
+        monkeypatch.setenv("QCOMM_TRITON_WARPS", bad)
+        config.triton_warps.cache_clear()
+        with pytest.raises(ValueError, match="QCOMM_TRITON_WARPS"):
+            config.triton_warps()
+    config.triton_warps.cache_clear()

@@ -7,11 +7,13 @@ compared bit for bit with a plain gloo group built in the same processes.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import make as make_input
 from conftest import run_ranks
 from torch.distributed import ReduceOp
 
@@ -23,9 +25,7 @@ pytestmark = pytest.mark.slow
 N = 2048  # >= min_numel: compressed
 
 
-def make(rank: int, n: int, salt: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * salt + rank)
-    return torch.randn(n, generator=g)
+make = functools.partial(make_input, spread=False)  # every rank's values one N(0, 1)
 
 
 def _entry_points_body(rank, world):

@@ -25,7 +25,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import run_ranks
+from conftest import make, run_ranks
 from torch.distributed import ReduceOp
 
 import qcomm
@@ -36,11 +36,6 @@ pytestmark = pytest.mark.slow
 BUCKET = 1024  # the default QuantConfig's bucket: a poisoned bucket decodes to NaN
 PG_TIMEOUT = 5.0  # seconds: the process groups' timeout in the dying-peer tests
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def make(rank: int, n: int, dtype=torch.float32, salt: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * salt + rank)
-    return (torch.randn(n, generator=g) * (1 + rank)).to(dtype)
 
 
 def buckets_of(positions, bucket: int = BUCKET) -> set[int]:
@@ -164,6 +159,7 @@ def _dying_body(rank, world, where):
     """Rank 1 kills itself in the middle of a collective; survivors return the error
     they raised and how long it took."""
     import qcomm.collectives as C
+    import qcomm.inner as I
 
     group = dist.group.WORLD
     n = 1 << 16
@@ -171,7 +167,7 @@ def _dying_body(rank, world, where):
         if where in ("all_gather", "stuck"):  # from a timer, mid-transfer of a big gather
             threading.Timer(0.3, _kill_self if where == "all_gather" else _stop_self).start()
         elif where == "reduce_scatter":  # after the descriptors agreed, before payloads
-            C.inner_all_to_all = lambda *a, **k: _kill_self()
+            I.all_to_all = lambda *a, **k: _kill_self()
         elif where == "fsdp2":  # in the second reduce-scatter of the backward
             real, calls = C.packed_reduce_scatter, []
 
@@ -314,16 +310,16 @@ def _disagree_body(rank, world):
     call.keep = [t]
     refused("reduce op", call)
     # the payload header check alone (descriptors off): equal-size payloads that differ
-    import qcomm.collectives as C
+    import qcomm.handshake as H
 
-    real = C.start_agreement
-    C.start_agreement = lambda *a, **k: None
+    real = H.start_descriptor_check
+    H.start_descriptor_check = lambda *a, **k: None
     try:
         refused("payload from rank .*rounding", ag(x, other(rounding="nearest")))
         # 2001 and 2002 elements take the same bytes at 8 bits: the header's numel tells
         refused("payload from rank .*numel", ag(make(rank, 2001 + rank)))
     finally:
-        C.start_agreement = real
+        H.start_descriptor_check = real
     # a group wrapped with different configs: its first collective says so
     wrapped = qcomm.wrap(group, CommConfig(min_numel=4096 if rank else 1024))
     with pytest.raises(ValueError, match="config differs between ranks.*min_numel=4096"):

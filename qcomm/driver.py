@@ -1,0 +1,263 @@
+"""One driver for every compressed collective: what a group keeps across calls, and
+the chain every call goes through, whoever makes it (the direct calls and the process
+group through :mod:`qcomm.collectives`, FSDP2's per-module collectives through
+:mod:`qcomm.fsdp`).
+
+:func:`run` takes one call from its validated tensors to its result::
+
+    first call of a plain or wrapped group: the config agreement (handshake)
+    which QuantConfig (the call's, or the group's for this kind)
+    compressible?  no  -> stats (exact), exact()               -> its Work / None
+                   yes -> under the group's lock:
+                            call index (advances identically on every rank)
+                            compressed(Call): the algorithm, which takes its seeds,
+                              its descriptor check and its buffers from the Call
+                          stats (compressed, wire bytes)       -> a completed Work / None
+
+Seeds: one per payload, distinct per (call index, slot), where the algorithm's slot
+tells the phases, ranks and chunks of a call apart; the same on every rank for a given
+(call, slot), so reruns are reproducible and ranks' rounding errors do not correlate.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.distributed import ReduceOp
+
+from . import handshake
+from . import inner as I
+from .codec import FLOAT_DTYPES
+from .config import CommConfig, QuantConfig, comm_config_from_env
+from .stats import Stats
+
+_RedOpType = ReduceOp.RedOpType
+COMPRESSIBLE_OPS = (_RedOpType.SUM, _RedOpType.AVG, _RedOpType.PREMUL_SUM)
+
+# Payload buffers kept per (role, device, CUDA stream); a buffer larger than this is
+# allocated per call instead (FSDP's biggest flat shards would pin that much memory).
+BUFFER_CACHE_MAX_BYTES = 64 << 20
+
+
+class BufferCache:
+    """Grow-only scratch buffers per role, bounded by ``BUFFER_CACHE_MAX_BYTES`` each.
+
+    Safe to reuse across calls: a compressed collective waits for its inner work
+    before returning (on CUDA: the current stream waits), and the key includes the
+    CUDA stream so FSDP's all-gather and reduce-scatter streams never share one.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict = {}
+
+    def get(self, role: str, numel: int, dtype: torch.dtype, device: torch.device):
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes > BUFFER_CACHE_MAX_BYTES:
+            return torch.empty(numel, dtype=dtype, device=device)
+        cuda_stream = (torch.cuda.current_stream(device).cuda_stream
+                       if device.type == "cuda" else 0)
+        key = (role, dtype, str(device), cuda_stream)
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._bufs[key] = buf
+        return buf[:numel]
+
+    def nbytes(self) -> int:
+        """Bytes the cache holds now (what the soak run watches stay bounded)."""
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
+    def clear(self) -> None:
+        self._bufs.clear()
+
+
+class GroupState:
+    """What a group needs across calls: config, the call counter (seeds), buffers, stats."""
+
+    def __init__(self, config: CommConfig, *, agreed: bool = False) -> None:
+        self.config = config
+        self.calls = itertools.count()  # advances identically on every rank
+        self.buffers = BufferCache()
+        self.stats = Stats()
+        self.lock = threading.Lock()
+        # Whether every rank is known to run this config: True for groups made by
+        # init_process_group / new_group (checked through the store at creation); plain
+        # and wrapped groups check it at their first collective (handshake.ensure_agreed).
+        self.agreed = agreed
+        # (numel, dtype, config) whose received headers a CUDA group has checked
+        # (handshake.check_received); bounded by handshake.CHECKED_MAX.
+        self.checked: set = set()
+
+    def next_call(self) -> int:
+        return next(self.calls)
+
+
+_plain_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_plain_lock = threading.Lock()
+
+
+def group_state(group) -> GroupState:
+    """The state of ``group`` (None: the default group); created on first use for
+    plain groups, with the config of the ``QCOMM_*`` environment variables."""
+    group = I.default(group)
+    state = getattr(group, "_qcomm_state", None)
+    if state is not None:
+        return state
+    with _plain_lock:
+        state = _plain_states.get(group)
+        if state is None:
+            state = _plain_states[group] = GroupState(comm_config_from_env())
+        return state
+
+
+# ---------------------------------------------------------------------------------
+# Decisions
+
+
+def op_type(op) -> _RedOpType:
+    """The RedOpType of ``op`` (a ReduceOp, a RedOpType, or PREMUL_SUM with a factor)."""
+    return getattr(op, "op", op)
+
+
+def premul_factor(op):
+    """PREMUL_SUM's factor (float or 0-d tensor); None for any other op."""
+    if op_type(op) == _RedOpType.PREMUL_SUM:
+        # ``.factor`` is torch >= 2.12; before, only pickling's (op, factor) state has it
+        # (torch 2.11 raised AttributeError here on every PREMUL_SUM).
+        factor = getattr(op, "factor", None)
+        return factor if factor is not None else op.__getstate__()[1]
+    return None
+
+
+def quant_config(kind: str, state: GroupState, config) -> QuantConfig | None:
+    """The QuantConfig for one call: ``config`` (a QuantConfig, a CommConfig, or None
+    for the group's), or None if this kind is switched off."""
+    if config is None:
+        config = state.config
+    if isinstance(config, CommConfig):
+        return getattr(config, kind)
+    if isinstance(config, QuantConfig):
+        return config
+    raise TypeError(f"config must be a QuantConfig, a CommConfig or None, got {config!r}")
+
+
+def compressible(tensor: torch.Tensor, numel: int, world: int, q: QuantConfig | None,
+                 min_numel: int, op=None) -> bool:
+    """Whether a call goes as packed payloads: a float32/bf16/fp16 tensor of a
+    supported op and at least ``min_numel`` elements (all-gather: the input;
+    reduce-scatter: the output; all-reduce: the tensor), quantization switched on for
+    it, and peers to send to (one rank alone sends nothing, so nothing is lost)."""
+    return (
+        q is not None
+        and world > 1
+        and tensor.dtype in FLOAT_DTYPES
+        and numel >= max(min_numel, 1)
+        and (op is None or op_type(op) in COMPRESSIBLE_OPS)
+    )
+
+
+def call_seed(base: int, call: int, slot: int) -> int:
+    """The seed of one payload: distinct per (call, slot), the same on every rank."""
+    return ((base * 0x9E3779B97F4A7C15) ^ (call << 24) ^ slot) & ((1 << 64) - 1)
+
+
+def peer_bytes(world: int, nbytes: int) -> int:
+    """Bytes this rank sends its peers when each of ``world - 1`` gets ``nbytes``
+    (how :mod:`qcomm.stats` counts every collective)."""
+    return (world - 1) * nbytes
+
+
+# ---------------------------------------------------------------------------------
+# Exact calls
+
+
+def exact_reduce(op, tensor: torch.Tensor):
+    """How an exact call runs ``op`` on an inner group that may lack it: returns
+    (the op to send, PREMUL_SUM's factor or None, whether to divide by the world
+    after a SUM). Gloo rejects PREMUL_SUM (the caller scales its inputs by the factor
+    and sends SUM) and float AVG ("Cannot use ReduceOp.AVG with Gloo": SUM, then one
+    division, what NCCL's AVG computes too); integer AVG is left to the inner group."""
+    factor = premul_factor(op)
+    if factor is not None:
+        return ReduceOp.SUM, factor, False
+    if op_type(op) == _RedOpType.AVG and tensor.is_floating_point():
+        return ReduceOp.SUM, None, True
+    return op, None, False
+
+
+def finish(work, async_op: bool, kind: str, rank: int, divide=None):
+    """An exact call's result: its Work (async_op) or nothing, once it has completed
+    (a failure names the collective; an async Work fails with the inner group's own
+    message when waited for). ``divide=(tensor, k)`` divides the result by k after
+    the wait (AVG run as SUM), so such a call completes before it returns."""
+    if async_op and divide is None:
+        return work
+    if work is not None:
+        I.wait(work, kind, "the exact (uncompressed) call", rank)
+    if divide is not None:
+        divide[0].div_(divide[1])
+    return I.completed_work([divide[0]]) if async_op else None
+
+
+# ---------------------------------------------------------------------------------
+# The driver
+
+
+@dataclass
+class Call:
+    """One compressed collective, as :func:`run` hands it to an algorithm."""
+
+    kind: str  # "all_gather", "reduce_scatter" or "all_reduce"
+    inner: object  # the group that moves the bytes
+    state: GroupState
+    q: QuantConfig  # how this call's payloads are quantized
+    index: int  # compressed calls this group made before this one
+    rank: int  # this rank in the group
+    world: int  # ranks in the group
+
+    def seed(self, slot: int) -> int:
+        """The seed of this call's payload ``slot`` (see the module docstring)."""
+        return call_seed(self.state.config.seed ^ self.q.seed, self.index, slot)
+
+    def buffer(self, role: str, numel: int, dtype: torch.dtype, device: torch.device):
+        """A scratch buffer of the group's cache (valid until the call returns)."""
+        return self.state.buffers.get(role, numel, dtype, device)
+
+    def check_descriptors(self, numel: int, dtype: torch.dtype, op, device: torch.device):
+        """Start the call's descriptor check (None on CUDA): finish it before sending."""
+        return handshake.start_descriptor_check(self.inner, self.state, self.kind, numel,
+                                                dtype, self.q, op, self.index, device)
+
+    def check_received(self, rows: torch.Tensor, numel: int, dtype: torch.dtype,
+                       skip: int | None = None) -> None:
+        handshake.check_received(rows, numel, dtype, self.q, skip, self.state)
+
+
+def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exact,
+        compressed, result, op=None, config=None, can_compress: bool = True,
+        async_op: bool = False):
+    """Run one collective on ``group``: compressed where it can be, else ``exact()``.
+
+    ``tensor`` and ``numel`` decide compressibility (:func:`compressible`), ``logical``
+    is the bytes the exact collective would send (stats), ``exact()`` runs the
+    passthrough and returns its result (:func:`finish`), ``compressed(call)`` runs the
+    algorithm and returns its wire bytes, ``result`` is what a compressed async call's
+    Work holds. ``config`` as :func:`quant_config`; ``can_compress=False`` forces exact.
+    """
+    group = I.default(group)
+    state, inner = group_state(group), I.inner_group(group)
+    handshake.ensure_agreed(group, state, inner, kind, tensor.device)
+    q = quant_config(kind, state, config)
+    if not (can_compress
+            and compressible(tensor, numel, group.size(), q, state.config.min_numel, op)):
+        state.stats.record(kind, compressed=False, logical=logical, wire=logical)
+        return exact()
+    with state.lock:
+        call = Call(kind, inner, state, q, state.next_call(), inner.rank(), group.size())
+        wire = compressed(call)
+    state.stats.record(kind, compressed=True, logical=logical, wire=wire)
+    return I.completed_work(result) if async_op else None

@@ -1,0 +1,205 @@
+"""Rank agreement: ranks find out that they disagree before any payload moves.
+
+Gloo aborts the process (std::terminate in pair.cc, "Received data size doesn't match
+expected size") when a peer sends more bytes than this rank expects, and silently leaves
+the tail unwritten when it sends fewer. Payload sizes follow from (numel, dtype,
+config), and whether a call is compressed at all from the config, so ranks must agree
+on both. Four checks, each raising ``ValueError`` naming the field and both ranks'
+values, with the outputs unwritten and the group usable:
+
+1. **At creation** (:func:`check_at_creation`): groups made by ``init_process_group``
+   / ``new_group`` compare their :class:`~qcomm.CommConfig` through the store.
+2. **At the first collective** (:func:`ensure_agreed`): groups made by ``qcomm.wrap``
+   and plain groups used through the direct calls all-gather a config fingerprint once.
+3. **Every compressed call on a CPU group** (:func:`start_descriptor_check`): the ranks
+   all-gather a 48-byte descriptor (size, dtype, config, collective, op, call index;
+   drawn in qcomm/layout.py), started before the quantize so its latency hides behind
+   the codec, and compare it before the payload exchange. Measured (2 ranks, loopback,
+   2 busy cores): a 48-byte gloo all-gather costs ~0.5 ms against ~1.4 ms for a
+   compressed all-gather of 1024 fp32 and ~57 ms of 2^20. A check only on the first
+   call per shape would be unsound: a rank that has seen its shape skips it while a rank
+   on a new shape does not, and the mismatched messages abort gloo just the same. CUDA
+   groups skip it (comparing on the host would synchronize the stream every call).
+4. **Every received payload's header** (:func:`check_received`), on CUDA once per shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch.distributed import ReduceOp
+
+from . import inner as I
+from . import layout
+from .codec import Packed
+from .config import CommConfig, QuantConfig
+from .layout import DESC_NBYTES, HEADER_NBYTES, NO_OP
+
+# Config fingerprint exchanged once per plain or wrapped group: sha256 hex, then repr.
+CONFIG_NBYTES = 1024
+# Shapes whose headers a CUDA group has checked, kept at most (a set of small tuples).
+CHECKED_MAX = 4096
+
+
+# ---------------------------------------------------------------------------------
+# 1. At creation, through the store
+
+
+def check_at_creation(store, rank: int, size: int, config: CommConfig) -> None:
+    """Every rank must run the same config, compared through the store once at group
+    creation (rank 0 against all; every other rank against rank 0), so that a rank
+    started with other ``QCOMM_*`` variables fails ``init_process_group`` / ``new_group``
+    naming both configs."""
+    mine = repr(config)
+    # A store outlives its groups (torchrun's agent store; init_process_group after
+    # destroy_process_group reuses the group name): each rank counts the groups it made
+    # on this store, and ranks compare under that count. Unnumbered, a rank could read a
+    # peer's config from the previous group (a false mismatch, or a false match).
+    made = store.add(f"qcomm/made/{rank}", 1)
+    store.set(f"qcomm/config/{made}/{rank}", mine)
+    peers = range(1, size) if rank == 0 else (0,)
+    for peer in peers:
+        theirs = store.get(f"qcomm/config/{made}/{peer}").decode()
+        if theirs != mine:
+            raise ValueError(
+                f"qcomm config differs between ranks: rank {rank} has {mine}, rank {peer} "
+                f"has {theirs} (check the QCOMM_* environment variables)"
+            )
+
+
+# ---------------------------------------------------------------------------------
+# 2. At the first collective of a plain or wrapped group
+
+
+def _config_blob(config: CommConfig) -> bytes:
+    text = repr(config).encode()
+    blob = hashlib.sha256(text).hexdigest().encode() + text
+    return blob[:CONFIG_NBYTES].ljust(CONFIG_NBYTES, b"\0")
+
+
+def ensure_agreed(group, state, inner, kind: str, device: torch.device) -> None:
+    """Once per plain or wrapped group, at its first collective through qcomm: every
+    rank must hold the same :class:`CommConfig` (``state.config``), or ranks would
+    choose differently between compressed and exact calls."""
+    if state.agreed or group.size() == 1:
+        return
+    with state.lock:
+        if state.agreed:
+            return
+        world, rank = inner.size(), inner.rank()
+        mine = _config_blob(state.config)
+        send = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
+        recv = torch.empty(world * CONFIG_NBYTES, dtype=torch.uint8, device=device)
+        work = I.start(I.all_gather, kind, "the config agreement", rank, inner, recv, send)
+        I.wait(work, kind, "the config agreement", rank)
+        state.stats.record_control(kind, (world - 1) * CONFIG_NBYTES)
+        for peer, row in enumerate(recv.view(world, CONFIG_NBYTES).cpu().tolist()):
+            theirs = bytes(row)
+            if theirs[:64] != mine[:64]:
+                raise ValueError(
+                    f"qcomm config differs between ranks: rank {rank} has "
+                    f"{mine[64:].rstrip(bytes(1)).decode()}, rank {peer} has "
+                    f"{theirs[64:].rstrip(bytes(1)).decode(errors='replace')} (check the "
+                    "QCOMM_* environment variables, or the config given to qcomm.wrap)")
+        state.agreed = True
+
+
+# ---------------------------------------------------------------------------------
+# 3. Every compressed call on a CPU group: the call descriptor
+
+
+def op_id(op) -> int:
+    """The descriptor's op byte: ``op``'s RedOpType value, or NO_OP for None."""
+    return NO_OP if op is None else int(getattr(op, "op", op))
+
+
+def _op_name(op: int) -> str:
+    if op == NO_OP:
+        return "none (all-gather)"
+    names = {int(v): k for k, v in ReduceOp.RedOpType.__members__.items()}
+    return names.get(op, str(op))
+
+
+def explain(mine: bytes, theirs: bytes, rank: int, peer: int) -> str:
+    """What differs between two descriptors, field by field."""
+    a = layout.decode_descriptor(mine)
+    try:
+        b = layout.decode_descriptor(theirs)
+    except ValueError as err:
+        return f"rank {peer} sent no qcomm descriptor ({err})"
+    diff = []
+    if a["kind"] != b["kind"]:
+        diff.append(f"collective: rank {peer} is in {b['kind']}, rank {rank} in {a['kind']}")
+    if a["op_id"] != b["op_id"]:
+        diff.append(f"reduce op: rank {peer} has {_op_name(b['op_id'])}, "
+                    f"rank {rank} {_op_name(a['op_id'])}")
+    diff += [f"{k}: rank {peer} has {b[k]!r}, rank {rank} {a[k]!r}"
+             for k in a if k not in ("kind", "op_id", "call") and a[k] != b[k]]
+    if a["call"] != b["call"]:
+        diff.append(f"call index: rank {peer} is at compressed call {b['call']}, rank {rank} "
+                    f"at {a['call']} (a rank skipped or added a collective)")
+    return "; ".join(diff) or "descriptors differ in reserved bytes"
+
+
+class DescriptorCheck:
+    """One descriptor exchange, started when made (before the quantize) and checked by
+    :meth:`finish` (wait and compare) before the payloads move."""
+
+    def __init__(self, inner, state, kind: str, desc: bytes, device: torch.device) -> None:
+        self.kind, self.desc, self.rank = kind, desc, inner.rank()
+        world = inner.size()
+        send = state.buffers.get("desc_send", DESC_NBYTES, torch.uint8, device)
+        send.copy_(torch.frombuffer(bytearray(desc), dtype=torch.uint8))
+        self.recv = state.buffers.get("desc_recv", world * DESC_NBYTES, torch.uint8, device)
+        self.work = I.start(I.all_gather, kind, "the descriptor exchange", self.rank, inner,
+                            self.recv, send)
+        state.stats.record_control(kind, (world - 1) * DESC_NBYTES)
+
+    def finish(self) -> None:
+        I.wait(self.work, self.kind, "the descriptor exchange", self.rank)
+        for peer, row in enumerate(self.recv.view(-1, DESC_NBYTES).tolist()):
+            theirs = bytes(row)
+            if theirs != self.desc:
+                why = explain(self.desc, theirs, self.rank, peer)
+                raise ValueError(f"qcomm {self.kind}: ranks disagree ({why}); "
+                                 "nothing was sent or written")
+
+
+def start_descriptor_check(inner, state, kind: str, numel: int, dtype: torch.dtype,
+                           q: QuantConfig, op, call: int,
+                           device: torch.device) -> DescriptorCheck | None:
+    """Start the descriptor exchange of one compressed call (None on CUDA: see above)."""
+    if device.type == "cuda":
+        return None
+    desc = layout.encode_descriptor(kind, numel, dtype, q, op_id(op), call)
+    return DescriptorCheck(inner, state, kind, desc, device)
+
+
+# ---------------------------------------------------------------------------------
+# 4. Every received payload's header
+
+
+def check_received(rows: torch.Tensor, numel: int, dtype: torch.dtype, q: QuantConfig,
+                   skip: int | None, state) -> None:
+    """Check every received payload's header (``rows``: one payload a row; ``skip``: the
+    row not received) with one device-to-host copy; a mismatch is a clear error naming
+    the sender. A CUDA group checks each (numel, dtype, config) once: reading headers
+    back costs a device sync, which would stall FSDP's overlap if paid per call."""
+    if rows.device.type == "cuda":
+        key = (numel, dtype, q)
+        if key in state.checked:
+            return
+        if len(state.checked) >= CHECKED_MAX:
+            state.checked.clear()
+        state.checked.add(key)
+    expected = layout.encode_header(numel, dtype, q)
+    heads = rows[:, :HEADER_NBYTES].cpu()
+    for r in range(rows.shape[0]):
+        if r == skip or bytes(heads[r].tolist()) == expected:
+            continue
+        try:
+            Packed.from_payload(rows[r], numel, dtype, q)
+        except ValueError as err:
+            raise ValueError(f"payload from rank {r}: {err}") from None
+        raise ValueError(f"payload from rank {r} has an unexpected qcomm header")

@@ -1,0 +1,82 @@
+"""The inner group, the one that moves bytes: torch's method names across releases, and
+waiting on its Work with an error that names the qcomm collective.
+
+torch 2.13 renamed the flat forms (``all_gather_single``, ``reduce_scatter_single``,
+``all_to_all_single``); older releases only have the underscore names
+(``_allgather_base``, ``_reduce_scatter_base``, ``alltoall_base``). Every call of an
+inner group's collective goes through one of the functions here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_c10d = dist.distributed_c10d
+
+
+def default(group):
+    """``group``, or the default group for None."""
+    return _c10d._get_default_group() if group is None else group
+
+
+def inner_group(group):
+    """The group that moves bytes: a qcomm group's inner group, else ``group`` itself."""
+    group = default(group)
+    return getattr(group, "inner", group)
+
+
+def method(pg, new: str, old: str):
+    """``pg``'s method of torch >= 2.13's name ``new``, or of the older name ``old``."""
+    fn = getattr(pg, new, None)
+    return fn if fn is not None else getattr(pg, old)
+
+
+def all_gather(pg, out, inp):
+    return method(pg, "all_gather_single", "_allgather_base")(out, inp, _c10d.AllgatherOptions())
+
+
+def reduce_scatter(pg, out, inp, op):
+    opts = _c10d.ReduceScatterOptions()
+    opts.reduceOp = op
+    return method(pg, "reduce_scatter_single", "_reduce_scatter_base")(out, inp, opts)
+
+
+def all_to_all(pg, out, inp):
+    return method(pg, "all_to_all_single", "alltoall_base")(
+        out, inp, [], [], _c10d.AllToAllOptions())
+
+
+def all_reduce(pg, tensor, op):
+    opts = _c10d.AllreduceOptions()
+    opts.reduceOp = op
+    return pg.allreduce([tensor], opts)
+
+
+def raise_backend(kind: str, what: str, rank: int, err: BaseException):
+    raise dist.DistBackendError(
+        f"qcomm {kind}: {what} failed on rank {rank} (a peer died, timed out, or called "
+        f"a different collective): {err}") from err
+
+
+def start(fn, kind: str, what: str, rank: int, *args):
+    """``fn(*args)``, an inner collective; a failure to start it names the collective."""
+    try:
+        return fn(*args)
+    except RuntimeError as err:
+        raise_backend(kind, what, rank, err)
+
+
+def wait(work, kind: str, what: str, rank: int) -> None:
+    """Wait for an inner Work; its failure becomes an error naming the collective."""
+    try:
+        work.wait()
+    except RuntimeError as err:
+        raise_backend(kind, what, rank, err)
+
+
+def completed_work(result=None):
+    """A Work that is already complete (what compressed calls return)."""
+    fut = torch.futures.Future()
+    fut.set_result(result if result is not None else [])
+    return torch._C._distributed_c10d._create_work_from_future(fut)
