@@ -6,13 +6,13 @@ loopback, or with ``--link RATE`` as two hosts (network namespaces) joined by a 
 shaped to RATE. Several rates (``--link loopback,1gbit,100mbit``) run one after the
 other and add a plot of the speedup over exact against the link rate.
 
-Columns, as nccl-tests defines them (``W`` ranks, ``t`` the median time per call):
+Columns, as nccl-tests defines them (``world`` ranks, ``t`` the median time per call):
 
 - ``size``: bytes of the full buffer (all-gather output, reduce-scatter input,
   all-reduce tensor); ``count``: elements per rank's input (all-gather) or output
   (reduce-scatter), elements of the tensor (all-reduce); ``type``: the element type.
-- ``algbw = size / t``; ``busbw = algbw * (W-1)/W`` (all-gather, reduce-scatter) or
-  ``* 2(W-1)/W`` (all-reduce): the rate each rank's link really carries for exact.
+- ``algbw = size / t``; ``busbw = algbw * (world-1)/world`` (all-gather, reduce-scatter) or
+  ``* 2(world-1)/world`` (all-reduce): the rate each rank's link really carries for exact.
 
 Extra columns: ``wire`` (bytes one rank sends its peers per call, qcomm.stats'
 definition; the same for exact gives ``size * factor``), ``ratio`` (exact wire /

@@ -29,7 +29,7 @@ def _to_bf16_rne(y):
 
 @triton.jit
 def _dequantize_kernel(
-    meta_ptr,  # *fp32 [nb * W]
+    meta_ptr,  # *fp32 [buckets * meta words]
     codes_ptr,  # *uint8 [ceil(n/8) * BITS]
     out_ptr,  # *fp32|bf16|fp16 [n]: written, or (ACCUMULATE, fp32) added into
     n,

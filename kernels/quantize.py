@@ -125,7 +125,7 @@ def _tile_codes(x, offset, s, inv, bad, u, BITS: tl.constexpr, SCHEME: tl.conste
 @triton.jit
 def _quantize_kernel(
     x_ptr,  # *fp32|bf16|fp16 [n]: input, read once
-    meta_ptr,  # *fp32 [nb * W]: per-bucket metadata (layout.py)
+    meta_ptr,  # *fp32 [buckets * meta words]: per-bucket metadata (layout.py)
     codes_ptr,  # *uint8 [ceil(n/8) * BITS]: packed codes
     n,  # number of elements
     n_rows,  # ceil(n / 8) * (8 // R): rows up to the end of the last group of 8

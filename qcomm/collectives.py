@@ -18,7 +18,7 @@ Algorithms (``world`` ranks, payloads from :func:`qcomm.quantize`, fixed size pe
   dequantize every shard (this rank's own included) into the output: all ranks hold
   identical values. The input is read before the output is written (FSDP2 gathers in
   place: its input is a view into its output).
-- reduce-scatter: quantize the ``W - 1`` peer chunks, one payload each (every payload
+- reduce-scatter: quantize the ``world - 1`` peer chunks, one payload each (every payload
   carries its own header, and the wire layout puts a payload's meta before its codes,
   so one quantize over the whole input would not split into per-chunk payloads),
   exchange them with one all-to-all, then accumulate in fp32: this rank's own chunk

@@ -2,12 +2,12 @@
 
 ::
 
-    offset 0                    32                         32 + 4*W*nb
-    +---------------------------+--------------------------+-----------------------------+-----+
-    | header (32 bytes)         | meta: fp32 x W per bucket | codes: ceil(n/8) * b bytes | pad |
-    +---------------------------+--------------------------+-----------------------------+-----+
+    offset 0            32                            32 + 4 * m * nbk
+    +-------------------+-----------------------------+----------------------------+-----+
+    | header (32 bytes) | meta: m fp32 words a bucket | codes: ceil(n/8) * b bytes | pad |
+    +-------------------+-----------------------------+----------------------------+-----+
     pad: zero bytes up to a multiple of 16, so payloads laid back to back (an all-gather's
-    [W, nbytes] buffer) each start 16-byte aligned and their fp32 meta can be viewed in place.
+    [world, nbytes] buffer) each start 16-byte aligned and their fp32 meta can be viewed in place.
 
     header (little-endian):
       [0:2]   magic  b"QC"            [8:12]  bucket_size  uint32
@@ -18,11 +18,11 @@
       [6]     source dtype (0 float32, 1 bfloat16, 2 float16)
       [7]     reserved, 0             [24:32] reserved, 0
 
-    meta, per bucket (nb = ceil(n / bucket_size), W words of fp32):
-      minmax   W=2  [min, step]     x = min + k * step             k in 0 .. 2^b - 1
-      maxnorm  W=1  [step]          x = (k - c) * step             k in 0 .. L - 1,
+    meta, per bucket (nbk = ceil(n / bucket_size) buckets, m fp32 words each):
+      minmax   m=2  [min, step]     x = min + k * step             k in 0 .. 2^b - 1
+      maxnorm  m=1  [step]          x = (k - c) * step             k in 0 .. L - 1,
                                     L = 2^b - 1 (b >= 2) or 2 (b = 1), c = (L - 1) / 2
-      nuq      W=1  [scale]         x = (-1)^sign * scale * lvl(j) k = sign << (b-1) | j,
+      nuq      m=1  [scale]         x = (-1)^sign * scale * lvl(j) k = sign << (b-1) | j,
                                     lvl(0) = 0, lvl(j) = 2^-(M-j), M = 2^(b-1) - 1
       (nuq at b = 1 has no level bits and is encoded exactly as maxnorm at b = 1)
       A bucket holding inf or NaN has NaN meta (and all-zero codes): it decodes to NaN.

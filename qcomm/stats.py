@@ -4,10 +4,10 @@ Bytes are counted from one rank's point of view as *what leaves this rank for it
 peers* under a direct exchange, so that ``wire / logical`` is the compression ratio
 whatever the inner algorithm (ring, tree) does with them:
 
-- all-gather: this rank's shard goes to ``W - 1`` peers;
-- reduce-scatter: ``W - 1`` chunks go one to each peer;
+- all-gather: this rank's shard goes to ``world - 1`` peers;
+- reduce-scatter: ``world - 1`` chunks go one to each peer;
 - all-reduce: a reduce-scatter followed by an all-gather of the reduced chunk
-  (``2 (W - 1)`` chunks; what a ring all-reduce moves too).
+  (``2 (world - 1)`` chunks; what a ring all-reduce moves too).
 
 Exact calls count their uncompressed bytes on both sides. The small control
 messages of compressed calls (the 48-byte descriptor every rank checks before the
