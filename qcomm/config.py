@@ -22,6 +22,8 @@ Rounding = Literal["stochastic", "nearest"]
 SCHEMES: tuple[str, ...] = ("minmax", "maxnorm", "nuq")
 NORMS: tuple[str, ...] = ("max", "l2")
 ROUNDINGS: tuple[str, ...] = ("stochastic", "nearest")
+TOPOLOGIES: tuple[str, ...] = ("auto", "flat")
+INTRA_NODE: tuple[str, ...] = ("exact", "compress")
 
 # One Triton program quantizes one whole bucket out of registers, so the bucket is
 # bounded: 32768 fp32 values are 128 KiB, the most that still compiles to a
@@ -104,6 +106,14 @@ class CommConfig:
     seed: int = 0
     # Inner backend name ("gloo", "nccl"); None picks by device at init.
     inner: str | None = None
+    # "auto": groups inside one node send exact, groups spanning nodes with several
+    # ranks per node run two-level collectives (exact inside each node, compressed
+    # across); "flat": every member treated alike (one level, compressed).
+    topology: str = "auto"
+    # Under "auto", what a group whose members share one node does: "exact" (its links
+    # are NVLink or shared memory: compression only costs kernel time and accuracy)
+    # or "compress" anyway.
+    intra_node: str = "exact"
 
     def __post_init__(self) -> None:
         for name in ("all_gather", "reduce_scatter", "all_reduce"):
@@ -118,6 +128,12 @@ class CommConfig:
             raise ValueError(f"CommConfig.min_numel must be >= 0, got {self.min_numel}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"CommConfig.seed must be an int, got {self.seed!r}")
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"CommConfig.topology must be one of {TOPOLOGIES}, "
+                             f"got {self.topology!r}")
+        if self.intra_node not in INTRA_NODE:
+            raise ValueError(f"CommConfig.intra_node must be one of {INTRA_NODE}, "
+                             f"got {self.intra_node!r}")
         if self.inner is not None and not isinstance(self.inner, str):
             raise TypeError(f"CommConfig.inner must be a backend name or None, got {self.inner!r}")
 
@@ -162,7 +178,8 @@ def comm_config_from_env(
 
     ``QCOMM_AG_BITS``, ``QCOMM_RS_BITS``, ``QCOMM_AR_BITS`` (1-8 or ``off``),
     ``QCOMM_BUCKET``, ``QCOMM_SCHEME``, ``QCOMM_NORM``, ``QCOMM_ROUNDING``,
-    ``QCOMM_MIN_NUMEL``, ``QCOMM_SEED``, ``QCOMM_INNER``; ``QCOMM_AG_BUCKET``,
+    ``QCOMM_MIN_NUMEL``, ``QCOMM_SEED``, ``QCOMM_INNER``, ``QCOMM_TOPOLOGY``
+    (``auto``/``flat``), ``QCOMM_INTRA_NODE`` (``exact``/``compress``); ``QCOMM_AG_BUCKET``,
     ``QCOMM_RS_SCHEME``, ... (``AG``/``RS``/``AR`` x ``BUCKET``/``SCHEME``/``NORM``/
     ``ROUNDING``) set one collective and win over the common one. Unset variables keep
     ``base`` (default: :class:`CommConfig()`). A bad value raises ``ValueError``
@@ -201,7 +218,15 @@ def comm_config_from_env(
             raise ValueError(f"bad qcomm environment ({names}): {err}") from None
 
     inner = env.get("QCOMM_INNER", "").strip() or base.inner
+    choice = {}
+    for var, field_, allowed in (("QCOMM_TOPOLOGY", "topology", TOPOLOGIES),
+                                 ("QCOMM_INTRA_NODE", "intra_node", INTRA_NODE)):
+        raw = env.get(var, "").strip().lower()
+        if raw and raw not in allowed:
+            raise ValueError(f"{var}={raw!r}: expected one of {allowed}")
+        choice[field_] = raw or getattr(base, field_)
     return CommConfig(
+        **choice,
         all_gather=one("AG", base.all_gather),
         reduce_scatter=one("RS", base.reduce_scatter),
         all_reduce=one("AR", base.all_reduce),
@@ -246,3 +271,18 @@ def triton_warps() -> int:
     if warps and warps not in WARPS:
         raise ValueError(f"QCOMM_TRITON_WARPS={raw!r}: expected 0 (by bucket) or one of {WARPS}")
     return warps
+
+
+def node_key(env: Mapping[str, str] | None = None) -> str:
+    """This process's node, as the members of a group compare it: ``QCOMM_NODE`` if
+    set, else the hostname, with torchrun's node rank (``GROUP_RANK``) where torchrun
+    set it (several torchrun agents on one host are several nodes)."""
+    import socket
+
+    env = os.environ if env is None else env
+    override = env.get("QCOMM_NODE", "").strip()
+    if override:
+        return override
+    host = socket.gethostname()
+    group_rank = env.get("GROUP_RANK", "").strip()
+    return f"{host}/{group_rank}" if group_rank else host

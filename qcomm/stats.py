@@ -32,6 +32,11 @@ class CollectiveStats:
     logical_bytes: int = 0  # bytes the exact collective would send (see module doc)
     wire_bytes: int = 0  # payload bytes actually handed to the inner group for peers
     control_bytes: int = 0  # descriptor / config-agreement bytes sent to peers
+    # The bytes this rank sent (payloads and exact), split by where the peer is: on this
+    # rank's node, or on another node (what crossed the slow link). Without node
+    # information (a group of one node, or flat) every peer counts as on another node.
+    intra_node_bytes: int = 0
+    inter_node_bytes: int = 0
 
     @property
     def ratio(self) -> float:
@@ -46,7 +51,10 @@ class Stats:
         self._lock = threading.Lock()
         self._by_kind = {k: CollectiveStats() for k in KINDS}
 
-    def record(self, kind: str, *, compressed: bool, logical: int, wire: int) -> None:
+    def record(self, kind: str, *, compressed: bool, logical: int, wire: int,
+               intra: int = 0) -> None:
+        """One call: ``wire`` bytes sent to peers, ``intra`` of them to peers on this
+        rank's node."""
         with self._lock:
             s = self._by_kind[kind]
             if compressed:
@@ -55,6 +63,8 @@ class Stats:
                 s.calls_exact += 1
             s.logical_bytes += logical
             s.wire_bytes += wire
+            s.intra_node_bytes += intra
+            s.inter_node_bytes += wire - intra
 
     def record_control(self, kind: str, nbytes: int) -> None:
         with self._lock:
