@@ -1,5 +1,13 @@
-"""Every data path produces the same bytes: Triton kernels (under TRITON_INTERPRET=1 on
-CPU, natively on a GPU), the compiled torch path, and the eager reference."""
+"""Every data path produces the same bytes: the readable oracle (qcomm/oracle.py), the
+Triton kernels (under TRITON_INTERPRET=1 on CPU, natively on a GPU), the tuned torch
+path run eagerly (impl="eager") and compiled (impl="torch").
+
+The three-way grid (oracle == eager == Triton, payload bytes and decoded bits): every
+scheme x bits 1, 2, 3, 4, 8 x fp32/bf16/fp16 x sizes 0, 1, B - 1, B + 1, several
+buckets, and bits 5, 6, 7 at two sizes; 40-element buckets; L2 norm and nearest
+rounding; buckets holding inf, -inf and NaN; tiny (denormal-step) and huge buckets;
+the default bucket. The oracle against the eager path alone, on a larger grid:
+tests/test_oracle.py."""
 
 import os
 
@@ -11,12 +19,18 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from qcomm import Packed, QuantConfig, dequantize, quantize  # noqa: E402
+from qcomm import Packed, QuantConfig, dequantize, oracle, quantize  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 B = 64  # small buckets keep the interpreter fast; sizes below straddle them
 SIZES = [0, 1, B - 1, B + 1, 203, 5 * B + 3]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SCHEMES = ["minmax", "maxnorm", "nuq"]
+# (bits, n): the bits with packing paths of their own (1, 2, 4, 8 whole words or bytes, 3
+# byte by byte) at every size; 5, 6 and 7 (byte by byte, like 3) at a partial and a
+# multi-bucket size, so bits 1-8 are all covered without 3x the interpreter's cases.
+BITS_SIZES = ([(bits, n) for bits in (1, 2, 3, 4, 8) for n in SIZES]
+              + [(bits, n) for bits in (5, 6, 7) for n in (B + 1, 5 * B + 3)])
 
 
 def describe_mismatch(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -35,6 +49,16 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(ints), b.reshape(-1).view(ints))
 
 
+def same_bits_or_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """:func:`same_bits`, except that NaNs need only be NaN in the same places: the
+    kernels write other NaN bits than torch where a NaN is made (bf16 NaN 0x7FC0, torch
+    2.13's cast 0xFFFF; the sign of nuq's ``inf * 0``), see test_known_nan_bits."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    nan_a, nan_b = torch.isnan(a.float()), torch.isnan(b.float())
+    return torch.equal(nan_a, nan_b) and same_bits(a[~nan_a], b[~nan_b])
+
+
 def gradient_like(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4
@@ -45,46 +69,59 @@ def gradient_like(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 
 
 def assert_same_bytes(x, cfg, seed=123):
+    """oracle == eager == Triton payloads, byte for byte; returns (eager, Triton) Packed."""
+    want = oracle.quantize(x.cpu(), cfg, seed)
     ref = quantize(x.cpu(), cfg, seed=seed, impl="eager")
     tri = quantize(x, cfg, seed=seed, impl="triton")
     got = tri.payload.cpu()
-    assert torch.equal(got, ref.payload), describe_mismatch(got, ref.payload)
+    assert torch.equal(ref.payload, want), "eager vs oracle: " + describe_mismatch(
+        ref.payload, want)
+    assert torch.equal(got, want), "triton vs oracle: " + describe_mismatch(got, want)
     return ref, tri
 
 
-@pytest.mark.parametrize("scheme", ["minmax", "maxnorm", "nuq"])
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def assert_same_values(ref, tri):
+    """oracle == eager == Triton decoded values (1-D sources: dequantize's default output,
+    the source dtype and shape), bit for bit (NaN-aware against Triton,
+    :func:`same_bits_or_nan`); returns them."""
+    want = oracle.dequantize(ref.payload, ref.config, ref.numel, ref.dtype)
+    eager = dequantize(ref, impl="eager")
+    got = dequantize(tri, impl="triton").cpu()
+    assert got.dtype == ref.dtype
+    assert same_bits(eager, want), "eager vs oracle: " + describe_mismatch(eager, want)
+    assert same_bits_or_nan(got, want), "triton vs oracle: " + describe_mismatch(got, want)
+    return want
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("bits, n", BITS_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n", SIZES)
-def test_triton_matches_reference(scheme, bits, dtype, n):
+def test_triton_matches_oracle(scheme, bits, dtype, n):
     x = gradient_like(n, dtype, seed=n + bits)
     cfg = QuantConfig(bits=bits, bucket_size=B, scheme=scheme)
-    ref, tri = assert_same_bytes(x, cfg)
-    want = dequantize(ref, impl="eager")
-    got = dequantize(tri, impl="triton").cpu()
-    assert got.dtype == dtype
-    assert same_bits(got, want), describe_mismatch(got, want)
+    assert_same_values(*assert_same_bytes(x, cfg))
 
 
-@pytest.mark.parametrize("scheme", ["minmax", "maxnorm", "nuq"])
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_triton_matches_reference_unpaired_buckets(scheme, bits, dtype):
+def test_triton_matches_oracle_unpaired_buckets(scheme, bits, dtype):
     """Buckets whose half is not whole tile rows (40 elements: 5 rows of 8, so bf16 and
     8-bit) take the kernel's one-tile path, where each element selects its pair's hash;
-    fp32 at 2 and 4 bits (rows of 4) still pairs. Both must give the reference's bytes."""
+    fp32 at 2 and 4 bits (rows of 4) still pairs. Both must give the oracle's bytes."""
     x = gradient_like(3 * 40 + 13, dtype, seed=bits)
-    assert_same_bytes(x, QuantConfig(bits=bits, bucket_size=40, scheme=scheme))
+    assert_same_values(*assert_same_bytes(x, QuantConfig(bits=bits, bucket_size=40,
+                                                         scheme=scheme)))
 
 
 @pytest.mark.parametrize("scheme, bits", [("minmax", 5), ("maxnorm", 6), ("nuq", 7),
                                           ("nuq", 4), ("maxnorm", 2)])
 @pytest.mark.parametrize("norm, rounding", [("l2", "stochastic"), ("max", "nearest"),
                                             ("l2", "nearest")])
-def test_triton_matches_reference_norms_and_rounding(scheme, bits, norm, rounding):
+def test_triton_matches_oracle_norms_and_rounding(scheme, bits, norm, rounding):
     x = gradient_like(3 * B + 5, torch.float32, seed=bits)
-    assert_same_bytes(x, QuantConfig(bits=bits, bucket_size=B, scheme=scheme, norm=norm,
-                                     rounding=rounding))
+    assert_same_values(*assert_same_bytes(x, QuantConfig(
+        bits=bits, bucket_size=B, scheme=scheme, norm=norm, rounding=rounding)))
 
 
 def test_triton_default_bucket_and_nonfinite():
@@ -92,10 +129,65 @@ def test_triton_default_bucket_and_nonfinite():
     x[1500] = float("nan")
     x[10] = float("-inf")
     ref, tri = assert_same_bytes(x, QuantConfig())
-    got = dequantize(tri, impl="triton").cpu()
-    want = dequantize(ref, impl="eager")
+    got = assert_same_values(ref, tri)
     assert torch.isnan(got[:2048]).all() and torch.isfinite(got[2048:]).all()
-    assert same_bits(got[2048:], want[2048:])
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("bits, dtype", [(4, torch.float32), (1, torch.bfloat16),
+                                         (7, torch.float16)], ids=str)
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_triton_nonfinite_buckets(scheme, bits, dtype, rounding):
+    """A bucket holding inf, -inf or NaN: NaN meta, zero codes (nuq keeps the sign bits of
+    negative elements), decoded to NaN; the buckets around it are untouched."""
+    x = gradient_like(5 * B + 3, dtype, seed=bits)
+    x[B + 5], x[2 * B + 60], x[3 * B] = float("inf"), float("-inf"), float("nan")
+    x[5 * B + 1] = float("inf")  # in the partial last bucket
+    cfg = QuantConfig(bits=bits, bucket_size=B, scheme=scheme, rounding=rounding)
+    ref, tri = assert_same_bytes(x, cfg)
+    got = assert_same_values(ref, tri)
+    bad = torch.zeros(5 * B + 3, dtype=torch.bool)
+    bad[B:4 * B] = bad[5 * B:] = True
+    assert torch.equal(torch.isnan(got), bad)
+    assert torch.isnan(ref.meta()).sum() == (3 + 1) * (2 if scheme == "minmax" else 1)
+
+
+# Known disagreements of the kernels with the torch paths (and the oracle): not fixed here,
+# kept as expected failures so that a fix shows up as XPASS. Non-strict: a GPU may differ.
+@pytest.mark.xfail(strict=False, reason="minmax meta: the kernels' min/max of equal "
+                   "zeros keep another sign than the first in the bucket")
+def test_known_signed_zero_meta():
+    """A bucket of values >= 0 with +0.0 first and -0.0 in its second half: the oracle
+    and the torch path store min = +0.0 (the first of equals), the kernels (interpreted,
+    paired halves combined first) -0.0. The decoded values agree (-0 + 0 * step = +0)."""
+    x = torch.cat([torch.tensor([0.0]), torch.full((B // 2 - 1,), 1.0),
+                   torch.tensor([-0.0]), torch.full((B // 2 - 1,), 2.0)])
+    cfg = QuantConfig(bits=4, bucket_size=B)
+    want = oracle.quantize(x, cfg, 0)
+    assert torch.equal(quantize(x, cfg, seed=0, impl="eager").payload, want)
+    assert torch.equal(quantize(x.to(DEVICE), cfg, seed=0, impl="triton").payload.cpu(), want)
+
+
+@pytest.mark.xfail(strict=False, reason="NaN bits: bf16 NaN 0x7FC0 where torch's cast "
+                   "writes 0xFFFF; nuq's sign bit ORed into inf * 0 where torch negates")
+@pytest.mark.parametrize("case", ["bf16-nan", "nuq-l2-overflow"])
+def test_known_nan_bits(case):
+    """Values that decode to NaN get other NaN bits from the kernels than from torch:
+    the kernels' bf16 rounding writes 0x7FC0 (torch 2.13 casts a NaN to 0xFFFF), and nuq
+    sets the sign bit of ``scale * 0`` where torch negates it, which differ for a NaN
+    made there (an L2 norm over fp32's range is inf, and ``inf * 0`` is NaN)."""
+    if case == "bf16-nan":
+        x, dtype = gradient_like(2 * B, torch.float32), torch.bfloat16
+        x[3] = float("nan")
+        cfg = QuantConfig(bits=4, bucket_size=B)
+    else:
+        x, dtype = torch.tensor([3e38, -3e38] * (B // 2), device=DEVICE), torch.float32
+        cfg = QuantConfig(bits=4, bucket_size=B, scheme="nuq", norm="l2")
+    ref, tri = assert_same_bytes(x, cfg)
+    want = oracle.dequantize(ref.payload, cfg, ref.numel, dtype)
+    got = dequantize(tri, out=torch.empty(x.numel(), dtype=dtype, device=DEVICE),
+                     impl="triton")
+    assert same_bits(got.cpu(), want)
 
 
 @pytest.mark.parametrize("scheme", ["minmax", "nuq"])
@@ -104,24 +196,37 @@ def test_triton_accumulate_and_cast(scheme):
     cfg = QuantConfig(bits=4, bucket_size=B, scheme=scheme)
     p = quantize(x, cfg, impl="triton")
     acc = torch.linspace(-1, 1, x.numel(), device=DEVICE)
-    on_cpu = Packed(p.payload.cpu(), p.numel, p.dtype, p.config)  # the oracle runs on CPU
-    want = acc.cpu() + dequantize(on_cpu, impl="eager")
+    on_cpu = Packed(p.payload.cpu(), p.numel, p.dtype, p.config)  # eager runs on CPU
+    decoded = oracle.dequantize(on_cpu.payload, cfg, p.numel)
+    assert same_bits(dequantize(on_cpu, impl="eager"), decoded)
+    want = acc.cpu() + decoded
+    eager_acc = acc.cpu().clone()  # (.cpu() of a CPU tensor is that tensor)
+    dequantize(on_cpu, out=eager_acc, accumulate=True, impl="eager")
+    assert same_bits(eager_acc, want)
     dequantize(p, out=acc, accumulate=True, impl="triton")
     assert same_bits(acc.cpu(), want)
     for dtype in (torch.bfloat16, torch.float16):
         out = torch.empty(x.numel(), dtype=dtype, device=DEVICE)
         dequantize(p, out=out, impl="triton")
-        assert same_bits(out.cpu(), dequantize(on_cpu, impl="eager").to(dtype))
+        cast = oracle.dequantize(on_cpu.payload, cfg, p.numel, dtype)
+        assert same_bits(cast, decoded.to(dtype))  # fp32 decode, then one cast
+        assert same_bits(out.cpu(), cast)
+        assert same_bits(dequantize(on_cpu, impl="eager").to(dtype), cast)
 
 
-@pytest.mark.parametrize("scheme", ["minmax", "maxnorm", "nuq"])
-def test_triton_tiny_and_huge_buckets(scheme):
-    """Steps below 2^-100 (denormal buckets) take the 2^64 boost; huge ones do not."""
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("bits, norm, rounding", [(4, "max", "stochastic"),
+                                                  (3, "l2", "nearest")])
+def test_triton_tiny_and_huge_buckets(scheme, bits, norm, rounding):
+    """Steps below 2^-100 (denormal buckets) take the 2^64 boost; huge ones do not.
+    fp32 only: the Triton interpreter's bf16 -> fp32 conversion mangles bf16 denormals
+    (a GPU converts them exactly; test_oracle.py has them against the eager path)."""
     x = gradient_like(4 * B, torch.float32, seed=11).cpu()
     x[:B] *= 1e-39
     x[B:2 * B] *= 1e-43
     x[2 * B:3 * B] *= 1e30
-    assert_same_bytes(x.to(DEVICE), QuantConfig(bits=4, bucket_size=B, scheme=scheme))
+    cfg = QuantConfig(bits=bits, bucket_size=B, scheme=scheme, norm=norm, rounding=rounding)
+    assert_same_values(*assert_same_bytes(x.to(DEVICE), cfg))
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8, 3])
@@ -139,6 +244,7 @@ def test_triton_payload_offsets(bits, dtype):
     tri = quantize(x, cfg, seed=4, impl="triton", out=out)
     ref = quantize(x.cpu(), cfg, seed=4, impl="eager")
     assert torch.equal(tri.payload.cpu(), ref.payload)
+    assert torch.equal(ref.payload, oracle.quantize(x, cfg, 4))
     assert not buf[:4].any() and not buf[4 + nbytes:].any(), "wrote outside out"
     assert same_bits(dequantize(tri, impl="triton").cpu(), dequantize(ref, impl="eager"))
     for offset in (1, 2):
@@ -191,9 +297,12 @@ def test_compiled_torch_path_matches_eager(cfg, dtype, monkeypatch):
         a = quantize(x, cfg, seed=9, impl="torch")
         b = quantize(x, cfg, seed=9, impl="eager")
         assert torch.equal(a.payload, b.payload), describe_mismatch(a.payload, b.payload)
+        want = oracle.quantize(x, cfg, 9)
+        assert torch.equal(a.payload, want), describe_mismatch(a.payload, want)
         ya = dequantize(a, impl="torch")
         yb = dequantize(b, impl="eager")
         assert same_bits(ya, yb), describe_mismatch(ya, yb)
+        assert same_bits(ya, oracle.dequantize(want, cfg, n, dtype))
         acc, acc_eager = torch.ones(n), torch.ones(n)
         dequantize(a, out=acc, accumulate=True, impl="torch")
         dequantize(b, out=acc_eager, accumulate=True, impl="eager")
