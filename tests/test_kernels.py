@@ -152,9 +152,11 @@ def test_triton_nonfinite_buckets(scheme, bits, dtype, rounding):
     assert torch.isnan(ref.meta()).sum() == (3 + 1) * (2 if scheme == "minmax" else 1)
 
 
-# Known disagreements of the kernels with the torch paths (and the oracle): not fixed here,
-# kept as expected failures so that a fix shows up as XPASS. Non-strict: a GPU may differ.
-@pytest.mark.xfail(strict=False, reason="minmax meta: the kernels' min/max of equal "
+# Known disagreements of the kernels with the torch paths (and the oracle): not fixed yet.
+# Expected failures under the interpreter, strict, so a fix fails them (XPASS) until the
+# mark goes; on a GPU they run as plain tests (bench/device_check.sh shows whether the
+# compiled kernels disagree too).
+@pytest.mark.xfail(DEVICE == "cpu", strict=True, reason="minmax meta: the kernels' min/max of equal "
                    "zeros keep another sign than the first in the bucket")
 def test_known_signed_zero_meta():
     """A bucket of values >= 0 with +0.0 first and -0.0 in its second half: the oracle
@@ -168,7 +170,7 @@ def test_known_signed_zero_meta():
     assert torch.equal(quantize(x.to(DEVICE), cfg, seed=0, impl="triton").payload.cpu(), want)
 
 
-@pytest.mark.xfail(strict=False, reason="NaN bits: bf16 NaN 0x7FC0 where torch's cast "
+@pytest.mark.xfail(DEVICE == "cpu", strict=True, reason="NaN bits: bf16 NaN 0x7FC0 where torch's cast "
                    "writes 0xFFFF; nuq's sign bit ORed into inf * 0 where torch negates")
 @pytest.mark.parametrize("case", ["bf16-nan", "nuq-l2-overflow"])
 def test_known_nan_bits(case):
