@@ -137,6 +137,74 @@ def packed_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list[in
     return acc, nbytes
 
 
+# ---------------------------------------------------------------------------------
+# Two-level plans (qcomm.topology): N nodes x P ranks; exact inside a node, compressed
+# among the N ranks of one local index. ``members[k][l]`` is the group rank of local
+# index l on node k; ranks may be in any order.
+
+
+@torch.no_grad()
+def two_level_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list[int], *,
+                             check=None) -> tuple[torch.Tensor, int, int]:
+    """:func:`packed_reduce_scatter` in two levels: an exact all-to-all inside the node
+    gives local rank l the node's fp32 sum of the chunks of every rank of local index
+    l (N of them); the ranks of local index l then reduce-scatter those node sums,
+    compressed, each quantized once. ``seeds[j]``: the payload for group rank j.
+    Returns (fp32 sum of this rank's chunk, bytes sent, of them inside the node)."""
+    topo = call.topology
+    intra, inter = call.subgroups()
+    nodes, per_node = topo.nodes, topo.per_node
+    n, dtype, device = chunks[0].numel(), chunks[0].dtype, chunks[0].device
+    send = call.buffer("rs2_send", per_node * nodes * n, dtype, device).view(per_node, nodes, n)
+    for local in range(per_node):  # block l: the chunks local rank l sums for its node
+        for k in range(nodes):
+            send[local, k].copy_(chunks[topo.members[k][local]].reshape(-1))
+    recv = call.buffer("rs2_recv", per_node * nodes * n, dtype, device)
+    if check is not None:
+        check.finish()
+    I.wait(I.all_to_all(intra, recv, send.view(-1)), call.kind,
+           "the exact all-to-all inside the node", call.rank)
+    node_sums = call.buffer("rs2_sum", nodes * n, torch.float32, device).view(nodes, n)
+    torch.sum(recv.view(per_node, nodes, n), dim=0, dtype=torch.float32, out=node_sums)
+    inter_seeds = [seeds[topo.members[k][topo.local]] for k in range(nodes)]
+    acc, nbytes = packed_reduce_scatter(call.on(inter, topo.node, nodes), list(node_sums),
+                                        inter_seeds)
+    intra_bytes = (per_node - 1) * nodes * n * chunks[0].element_size()
+    return acc, intra_bytes + (nodes - 1) * nbytes, intra_bytes
+
+
+@torch.no_grad()
+def two_level_all_gather(call: Call, outs: list[torch.Tensor], inp: torch.Tensor, seed: int,
+                         *, check=None, accumulate: bool = False) -> tuple[int, int]:
+    """:func:`packed_all_gather` in two levels: the ranks of this rank's local index
+    all-gather their shards compressed (every one of them decodes the same payloads),
+    then the node all-gathers those decoded shards exactly, so every rank of the group
+    holds the same bytes. ``accumulate`` as there (the decoded shards are added into
+    fp32 ``outs``; the exact level then copies the sums). Returns (bytes sent, of them
+    inside the node)."""
+    topo = call.topology
+    intra, inter = call.subgroups()
+    nodes, per_node = topo.nodes, topo.per_node
+    n = inp.numel()
+    mine = [outs[topo.members[k][topo.local]] for k in range(nodes)]
+    nbytes = packed_all_gather(call.on(inter, topo.node, nodes), mine, inp, seed,
+                               check=check, accumulate=accumulate)
+    dtype, device = outs[0].dtype, outs[0].device
+    send = call.buffer("ag2_send", nodes * n, dtype, device).view(nodes, n)
+    for k, shard in enumerate(mine):
+        send[k].copy_(shard.reshape(-1))
+    recv = call.buffer("ag2_recv", per_node * nodes * n, dtype, device)
+    I.wait(I.all_gather(intra, recv, send.view(-1)), call.kind,
+           "the exact all-gather inside the node", call.rank)
+    got = recv.view(per_node, nodes, n)
+    for local in range(per_node):
+        if local != topo.local:
+            for k in range(nodes):
+                outs[topo.members[k][local]].view(-1).copy_(got[local, k])
+    intra_bytes = (per_node - 1) * nodes * n * send.element_size()
+    return (nodes - 1) * nbytes + intra_bytes, intra_bytes
+
+
 def apply_op(acc: torch.Tensor, op, world: int) -> None:
     """AVG or PREMUL_SUM on an fp32 sum (SUM: nothing)."""
     kind = op_type(op)
@@ -221,10 +289,12 @@ def gather_into(group, outs: list[torch.Tensor], out_flat: torch.Tensor | None,
         work = exact() if exact is not None else I.all_gather(inner, out_flat, inp)
         return finish(work, async_op, "all_gather", inner.rank())
 
-    def compressed(call: Call) -> int:
+    def compressed(call: Call) -> tuple[int, int]:
         check = call.check_descriptors(n, inp.dtype, None, inp.device)
-        return peer_bytes(world, packed_all_gather(call, outs, inp, call.seed(call.rank),
-                                                   check=check))
+        if call.two_level:
+            return two_level_all_gather(call, outs, inp, call.seed(call.rank), check=check)
+        return call.flat_bytes(peer_bytes(world, packed_all_gather(
+            call, outs, inp, call.seed(call.rank), check=check)))
 
     return run(group, "all_gather", tensor=inp, numel=n,
                logical=peer_bytes(world, n * inp.element_size()), exact=run_exact,
@@ -269,15 +339,19 @@ def scatter_from(group, out: torch.Tensor, chunks: list[torch.Tensor],
         return finish(work, async_op, "reduce_scatter", inner.rank(),
                       divide=(out, world) if avg else None)
 
-    def compressed(call: Call) -> int:
+    def compressed(call: Call) -> tuple[int, int]:
         seeds = [call.seed(call.rank * world + j) for j in range(world)]
         check = call.check_descriptors(n, out.dtype, op, out.device)
-        acc, nbytes = packed_reduce_scatter(
-            call, chunks, seeds, check=check,
-            residuals=None if residuals is None else residuals(world, n, out.device))
+        if call.two_level and residuals is None:
+            acc, wire, intra = two_level_reduce_scatter(call, chunks, seeds, check=check)
+        else:  # error feedback keeps per-peer residuals: one level
+            acc, nbytes = packed_reduce_scatter(
+                call, chunks, seeds, check=check,
+                residuals=None if residuals is None else residuals(world, n, out.device))
+            wire, intra = call.flat_bytes(peer_bytes(world, nbytes))
         apply_op(acc, op, world)
         out.copy_(acc.view(out.shape))
-        return peer_bytes(world, nbytes)
+        return wire, intra
 
     return run(group, "reduce_scatter", tensor=out, numel=n,
                logical=peer_bytes(world, n * out.element_size()), exact=run_exact,
@@ -304,7 +378,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *, config=None
         return finish(I.all_reduce(inner, tensor, send_op), async_op, "all_reduce",
                       inner.rank(), divide=(tensor, world) if avg else None)
 
-    def compressed(call: Call) -> int:
+    def compressed(call: Call) -> tuple[int, int]:
         rank = call.rank
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         flat = work.view(-1)
@@ -316,15 +390,23 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *, config=None
         chunks = list(padded.split(chunk))
         seeds = [call.seed(2 * (rank * world + j)) for j in range(world)]
         check = call.check_descriptors(numel, tensor.dtype, op, tensor.device)
-        acc, nbytes_rs = packed_reduce_scatter(call, chunks, seeds, check=check)
-        apply_op(acc, op, world)
-        # padded is scratch (or the tensor itself): the gather writes it, then copies
-        nbytes_ag = packed_all_gather(call, chunks, acc, call.seed(2 * (rank * world + rank) + 1))
+        seed_ag = call.seed(2 * (rank * world + rank) + 1)
+        if call.two_level:
+            acc, wire_rs, intra_rs = two_level_reduce_scatter(call, chunks, seeds, check=check)
+            apply_op(acc, op, world)
+            wire_ag, intra_ag = two_level_all_gather(call, chunks, acc, seed_ag)
+            sent = (wire_rs + wire_ag, intra_rs + intra_ag)
+        else:
+            acc, nbytes_rs = packed_reduce_scatter(call, chunks, seeds, check=check)
+            apply_op(acc, op, world)
+            # padded is scratch (or the tensor itself): the gather writes it, then copies
+            nbytes_ag = packed_all_gather(call, chunks, acc, seed_ag)
+            sent = call.flat_bytes(peer_bytes(world, nbytes_rs + nbytes_ag))
         if padded is not flat:
             flat.copy_(padded[:numel])
         if work is not tensor:
             tensor.copy_(work)
-        return peer_bytes(world, nbytes_rs + nbytes_ag)
+        return sent
 
     return run(group, "all_reduce", tensor=tensor, numel=numel,
                logical=2 * peer_bytes(world, chunk * tensor.element_size()), exact=run_exact,

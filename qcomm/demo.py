@@ -11,6 +11,10 @@ send, so the wall time shows the codec's cost, not compression's gain; the shape
 benchmarks (``python -m bench collectives --link 100mbit``, ``python -m bench train
 --link 100mbit``) show the gain.
 
+Launched here, each process plays one host (``QCOMM_NODE=host<rank>``): under the
+default ``QCOMM_TOPOLOGY=auto`` ranks of one node send exact, and on one machine every
+rank is on one node. Under torchrun the real nodes count.
+
 The codec runs eagerly here (``QCOMM_COMPILE=0`` unless set: ``torch.compile`` costs
 ~25 s per process before the first step, the same bytes either way).
 """
@@ -155,6 +159,9 @@ def _free_port() -> int:
 def _spawned(rank: int, world: int, port: int, steps: int, dim: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world))
+    # Each process plays one host: ranks that share a node send exact by default
+    # (qcomm.topology), and on one machine every rank would.
+    os.environ.setdefault("QCOMM_NODE", f"host{rank}")
     _main_in_rank(steps, dim)
 
 

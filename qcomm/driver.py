@@ -29,11 +29,20 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ReduceOp
 
-from . import handshake
+from . import handshake, purpose
 from . import inner as I
 from .codec import FLOAT_DTYPES
 from .config import CommConfig, QuantConfig, comm_config_from_env
 from .stats import Stats
+from .topology import (
+    EXACT,
+    FLAT,
+    TWO_LEVEL,
+    Subgroups,
+    Topology,
+    log_plan_once,
+    plain_subgroups,
+)
 
 _RedOpType = ReduceOp.RedOpType
 COMPRESSIBLE_OPS = (_RedOpType.SUM, _RedOpType.AVG, _RedOpType.PREMUL_SUM)
@@ -91,6 +100,23 @@ class GroupState:
         # (numel, dtype, config) whose received headers a CUDA group has checked
         # (handshake.check_received); bounded by handshake.CHECKED_MAX.
         self.checked: set = set()
+        # The members' nodes (qcomm.topology), learned with the config agreement; None
+        # until then (and for a group of one rank). subgroups: the two-level plan's.
+        self.topology: Topology | None = None
+        self.plan, self.plan_why = FLAT, "no node information"
+        self.subgroups: Subgroups | None = None
+        # Why every call of this group goes exact, whatever its config (a mesh dimension
+        # that is not data-parallel: qcomm.purpose); None: calls may compress.
+        self.exact_reason: str | None = None
+
+    def learn_topology(self, keys: list[str], rank: int) -> None:
+        """Every member's node key, in group-rank order (the same list on every rank)."""
+        self.topology = Topology(tuple(keys), rank)
+        self.plan, self.plan_why = self.topology.plan(self.config.topology,
+                                                      self.config.intra_node)
+        if self.plan == TWO_LEVEL and (self.subgroups is None or self.subgroups.store is None):
+            self.plan, self.plan_why = FLAT, "no store to build the subgroups from"
+        log_plan_once(self.topology, self.plan, self.plan_why)
 
     def next_call(self) -> int:
         return next(self.calls)
@@ -111,6 +137,7 @@ def group_state(group) -> GroupState:
         state = _plain_states.get(group)
         if state is None:
             state = _plain_states[group] = GroupState(comm_config_from_env())
+            state.subgroups = plain_subgroups(group)
         return state
 
 
@@ -236,6 +263,34 @@ class Call:
                        skip: int | None = None) -> None:
         handshake.check_received(rows, numel, dtype, self.q, skip, self.state)
 
+    @property
+    def two_level(self) -> bool:
+        return self.state.plan == TWO_LEVEL
+
+    @property
+    def topology(self) -> Topology:
+        return self.state.topology
+
+    def subgroups(self) -> tuple:
+        """(intra, inter): the inner groups of this rank's node and of its local index."""
+        return self.state.subgroups.get(self.state.topology)
+
+    def on(self, inner, rank: int, world: int) -> Call:
+        """This call's view of a subgroup (the same index, config and seeds)."""
+        return Call(self.kind, inner, self.state, self.q, self.index, rank, world)
+
+    def flat_bytes(self, wire: int) -> tuple[int, int]:
+        """(wire, intra) of a one-level exchange that sends every peer alike."""
+        return wire, split_intra(self.state, wire)
+
+
+def split_intra(state: GroupState, nbytes: int) -> int:
+    """The part of ``nbytes``, sent to every peer alike, that went to this rank's node."""
+    topo = state.topology
+    if topo is None or len(topo.keys) < 2:
+        return 0
+    return nbytes * topo.same_node_peers() // (len(topo.keys) - 1)
+
 
 def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exact,
         compressed, result, op=None, config=None, can_compress: bool = True,
@@ -245,19 +300,24 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
     ``tensor`` and ``numel`` decide compressibility (:func:`compressible`), ``logical``
     is the bytes the exact collective would send (stats), ``exact()`` runs the
     passthrough and returns its result (:func:`finish`), ``compressed(call)`` runs the
-    algorithm and returns its wire bytes, ``result`` is what a compressed async call's
-    Work holds. ``config`` as :func:`quant_config`; ``can_compress=False`` forces exact.
+    algorithm and returns (wire bytes, those of them sent inside this rank's node),
+    ``result`` is what a compressed async call's Work holds. ``config`` as
+    :func:`quant_config`; ``can_compress=False`` forces exact, and so do the group's
+    plan (members on one node, :mod:`qcomm.topology`) and its purpose
+    (:mod:`qcomm.purpose`: ``qcomm.exact()``, a mesh dimension that is not
+    data-parallel).
     """
     group = I.default(group)
     state, inner = group_state(group), I.inner_group(group)
     handshake.ensure_agreed(group, state, inner, kind, tensor.device)
     q = quant_config(kind, state, config)
-    if not (can_compress
+    if not (can_compress and state.plan != EXACT and purpose.may_compress(state)
             and compressible(tensor, numel, group.size(), q, state.config.min_numel, op)):
-        state.stats.record(kind, compressed=False, logical=logical, wire=logical)
+        state.stats.record(kind, compressed=False, logical=logical, wire=logical,
+                           intra=split_intra(state, logical))
         return exact()
     with state.lock:
         call = Call(kind, inner, state, q, state.next_call(), inner.rank(), group.size())
-        wire = compressed(call)
-    state.stats.record(kind, compressed=True, logical=logical, wire=wire)
+        wire, intra = compressed(call)
+    state.stats.record(kind, compressed=True, logical=logical, wire=wire, intra=intra)
     return I.completed_work(result) if async_op else None

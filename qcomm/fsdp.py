@@ -113,19 +113,20 @@ class DeltaAllGather(_PerModule, _AllGatherBase):
             return driver.finish(I.all_gather(inner, out, inp), async_op, "all_gather",
                                  inner.rank())
 
-        def compressed(call: driver.Call) -> int:
+        def compressed(call: driver.Call) -> tuple[int, int]:
             ref = self._buffer(group, world, n, inp.device)
             slots = list(ref.chunk(world))
             delta = inp.float() - slots[call.rank]  # reads inp (a view into out) first
             check = call.check_descriptors(n, delta.dtype, None, inp.device)
-            nbytes = C.packed_all_gather(call, slots, delta, call.seed(call.rank),
-                                         check=check, accumulate=True)
+            gather = C.two_level_all_gather if call.two_level else C.packed_all_gather
+            sent = gather(call, slots, delta, call.seed(call.rank), check=check,
+                          accumulate=True)
             out.copy_(ref)  # non-finite weights arrive non-finite (buckets decode NaN)...
             ref.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # ...but are not remembered:
             # those entries restart from zero, the same on every rank (ref is identical),
             # so weights repaired after a bad step (a reloaded checkpoint) come back next
             # gather
-            return driver.peer_bytes(world, nbytes)
+            return sent if call.two_level else call.flat_bytes(driver.peer_bytes(world, sent))
 
         return driver.run(group, "all_gather", tensor=inp, numel=n,
                           logical=driver.peer_bytes(world, n * inp.element_size()),

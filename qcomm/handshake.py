@@ -33,7 +33,7 @@ from torch.distributed import ReduceOp
 from . import inner as I
 from . import layout
 from .codec import Packed
-from .config import CommConfig, QuantConfig
+from .config import CommConfig, QuantConfig, node_key
 from .layout import DESC_NBYTES, HEADER_NBYTES, NO_OP
 
 # Config fingerprint exchanged once per plain or wrapped group: sha256 hex, then repr.
@@ -46,17 +46,20 @@ CHECKED_MAX = 4096
 # 1. At creation, through the store
 
 
-def check_at_creation(store, rank: int, size: int, config: CommConfig) -> None:
+def check_at_creation(store, rank: int, size: int, config: CommConfig,
+                      node: str = "") -> list[str]:
     """Every rank must run the same config, compared through the store once at group
     creation (rank 0 against all; every other rank against rank 0), so that a rank
     started with other ``QCOMM_*`` variables fails ``init_process_group`` / ``new_group``
-    naming both configs."""
+    naming both configs. Each rank also posts its ``node`` key; returns every rank's,
+    in rank order (the same list on every rank: :class:`qcomm.topology.Topology`)."""
     mine = repr(config)
     # A store outlives its groups (torchrun's agent store; init_process_group after
     # destroy_process_group reuses the group name): each rank counts the groups it made
     # on this store, and ranks compare under that count. Unnumbered, a rank could read a
     # peer's config from the previous group (a false mismatch, or a false match).
     made = store.add(f"qcomm/made/{rank}", 1)
+    store.set(f"qcomm/node/{made}/{rank}", node)
     store.set(f"qcomm/config/{made}/{rank}", mine)
     peers = range(1, size) if rank == 0 else (0,)
     for peer in peers:
@@ -66,42 +69,57 @@ def check_at_creation(store, rank: int, size: int, config: CommConfig) -> None:
                 f"qcomm config differs between ranks: rank {rank} has {mine}, rank {peer} "
                 f"has {theirs} (check the QCOMM_* environment variables)"
             )
+    return [store.get(f"qcomm/node/{made}/{r}").decode() for r in range(size)]
 
 
 # ---------------------------------------------------------------------------------
 # 2. At the first collective of a plain or wrapped group
 
 
-def _config_blob(config: CommConfig) -> bytes:
+NODE_NBYTES = 192  # a node key's room in the config blob (hostnames are <= 64 bytes)
+
+
+def _config_blob(config: CommConfig, node: str) -> bytes:
+    """sha256 hex of the config (64 bytes), the node key (NODE_NBYTES, zero-padded),
+    then the config's repr, for the message; CONFIG_NBYTES in all."""
+    key = node.encode()
+    if len(key) > NODE_NBYTES:
+        raise ValueError(f"qcomm node key {node!r} is longer than {NODE_NBYTES} bytes "
+                         "(QCOMM_NODE)")
     text = repr(config).encode()
-    blob = hashlib.sha256(text).hexdigest().encode() + text
+    blob = hashlib.sha256(text).hexdigest().encode() + key.ljust(NODE_NBYTES, b"\0") + text
     return blob[:CONFIG_NBYTES].ljust(CONFIG_NBYTES, b"\0")
 
 
 def ensure_agreed(group, state, inner, kind: str, device: torch.device) -> None:
     """Once per plain or wrapped group, at its first collective through qcomm: every
     rank must hold the same :class:`CommConfig` (``state.config``), or ranks would
-    choose differently between compressed and exact calls."""
+    choose differently between compressed and exact calls; the same exchange tells
+    every rank each member's node (``state.learn_topology``)."""
     if state.agreed or group.size() == 1:
         return
     with state.lock:
         if state.agreed:
             return
         world, rank = inner.size(), inner.rank()
-        mine = _config_blob(state.config)
+        mine = _config_blob(state.config, node_key())
         send = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
         recv = torch.empty(world * CONFIG_NBYTES, dtype=torch.uint8, device=device)
         work = I.start(I.all_gather, kind, "the config agreement", rank, inner, recv, send)
         I.wait(work, kind, "the config agreement", rank)
         state.stats.record_control(kind, (world - 1) * CONFIG_NBYTES)
+        keys = []
+        text = 64 + NODE_NBYTES
         for peer, row in enumerate(recv.view(world, CONFIG_NBYTES).cpu().tolist()):
             theirs = bytes(row)
             if theirs[:64] != mine[:64]:
                 raise ValueError(
                     f"qcomm config differs between ranks: rank {rank} has "
-                    f"{mine[64:].rstrip(bytes(1)).decode()}, rank {peer} has "
-                    f"{theirs[64:].rstrip(bytes(1)).decode(errors='replace')} (check the "
-                    "QCOMM_* environment variables, or the config given to qcomm.wrap)")
+                    f"{mine[text:].rstrip(bytes(1)).decode()}, rank {peer} has "
+                    f"{theirs[text:].rstrip(bytes(1)).decode(errors='replace')} (check "
+                    "the QCOMM_* environment variables, or the config given to qcomm.wrap)")
+            keys.append(theirs[64:text].rstrip(bytes(1)).decode(errors="replace"))
+        state.learn_topology(keys, rank)
         state.agreed = True
 
 

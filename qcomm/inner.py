@@ -75,6 +75,59 @@ def wait(work, kind: str, what: str, rank: int) -> None:
         raise_backend(kind, what, rank, err)
 
 
+# ---------------------------------------------------------------------------------
+# Building inner groups (the qcomm backend's own, and the subgroups of two-level plans)
+
+_INNER_TYPES = {"gloo": dist.ProcessGroup.BackendType.GLOO,
+                "nccl": dist.ProcessGroup.BackendType.NCCL}
+
+
+def _inner_map(spec: str | None) -> dict[str, str]:
+    """``{"cpu": "gloo", "cuda": "nccl"}`` from ``None`` (by device, like torch's
+    default), a backend name, or torch's ``"cpu:gloo,cuda:nccl"`` form."""
+    if spec is None:
+        cuda = torch.cuda.is_available() and dist.is_nccl_available()
+        return {"cpu": "gloo", "cuda": "nccl"} if cuda else {"cpu": "gloo"}
+    spec = spec.strip().lower()
+    if ":" not in spec:
+        if spec == "gloo":
+            return {"cpu": "gloo", "cuda": "gloo"}
+        if spec == "nccl":
+            return {"cuda": "nccl"}
+        raise ValueError(f"QCOMM_INNER / CommConfig.inner: unknown backend {spec!r} "
+                         "(expected 'gloo', 'nccl' or 'cpu:gloo,cuda:nccl')")
+    mapping = {}
+    for part in spec.split(","):
+        device, _, name = part.partition(":")
+        if device.strip() not in ("cpu", "cuda") or name.strip() not in _INNER_TYPES:
+            raise ValueError(f"QCOMM_INNER / CommConfig.inner: bad entry {part!r} in {spec!r}")
+        mapping[device.strip()] = name.strip()
+    return mapping
+
+
+def _make_backend(name: str, store, rank: int, size: int, timeout):
+    if name == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, size, opts)
+
+
+def make_inner(store, rank: int, size: int, timeout, spec: str | None) -> dist.ProcessGroup:
+    """A plain ProcessGroup with real backends per device, as torch builds one."""
+    pg = dist.ProcessGroup(store, rank, size)
+    made: dict[str, object] = {}
+    mapping = _inner_map(spec)
+    for device, name in mapping.items():
+        if name not in made:
+            made[name] = _make_backend(name, dist.PrefixStore(f"inner/{name}/", store),
+                                       rank, size, timeout)
+        pg._register_backend(torch.device(device), _INNER_TYPES[name], made[name])
+    first = next(iter(mapping.values()))
+    pg._set_default_backend(_INNER_TYPES[first])
+    return pg
+
+
 def completed_work(result=None):
     """A Work that is already complete (what compressed calls return)."""
     fut = torch.futures.Future()

@@ -15,16 +15,21 @@ compressed. Everything else is forwarded to the inner group unchanged.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from . import collectives as C
-from . import driver, handshake
+from . import driver, handshake, purpose
 from . import inner as I
-from .config import CommConfig, comm_config_from_env
+from .config import CommConfig, comm_config_from_env, node_key
+from .topology import Subgroups, plain_subgroups
 
 BACKEND_NAME = "qcomm"
+log = logging.getLogger("qcomm")
 _c10d = dist.distributed_c10d
 
 
@@ -92,6 +97,12 @@ class QcommProcessGroup(dist.ProcessGroup):
 
     def _set_group_desc(self, desc: str) -> None:
         self._qcomm_desc = desc
+        # DeviceMesh names each dimension's group "mesh_<name>": a dimension that is not
+        # data-parallel (tensor, context parallel...) sends everything exact
+        reason = purpose.mesh_dim_reason(desc)
+        if reason and self._qcomm_state.exact_reason is None:
+            log.info("qcomm: group %r sends exact: %s", desc, reason)
+        self._qcomm_state.exact_reason = reason
 
     def getGroupName(self) -> str:  # noqa: N802 (torch's C++-style name)
         return self.group_name
@@ -108,9 +119,17 @@ class QcommProcessGroup(dist.ProcessGroup):
     def _get_backend_name(self) -> str:
         return BACKEND_NAME
 
+    # -- what the caller wants: full values (state dicts, checkpoints, DTensor
+    # redistribution) go exact (qcomm.purpose); every compressible entry point below
+    # runs inside this
+    @staticmethod
+    def _purpose():
+        return purpose.exact() if purpose.exact_caller() else contextlib.nullcontext()
+
     # -- all-gather ---------------------------------------------------------------
     def all_gather_single(self, output, input, opts=None):  # noqa: A002 (torch's names)
-        return C.all_gather_into_tensor(output, input, self, async_op=True)
+        with self._purpose():
+            return C.all_gather_into_tensor(output, input, self, async_op=True)
 
     _allgather_base = all_gather_single
 
@@ -118,11 +137,12 @@ class QcommProcessGroup(dist.ProcessGroup):
         if isinstance(input_tensors, torch.Tensor):  # allgather(list, tensor) overload
             output_tensors, input_tensors = [output_tensors], [input_tensors]
         works = []
-        for outs, inp in zip(output_tensors, input_tensors, strict=True):
-            exact = self._exact_allgather(outs, inp)
-            works.append(C.gather_into(self, list(outs), None, inp, async_op=True,
-                                       exact=exact,
-                                       can_compress=_is_flat_form(outs, inp, self.size())))
+        with self._purpose():
+            for outs, inp in zip(output_tensors, input_tensors, strict=True):
+                exact = self._exact_allgather(outs, inp)
+                works.append(C.gather_into(
+                    self, list(outs), None, inp, async_op=True, exact=exact,
+                    can_compress=_is_flat_form(outs, inp, self.size())))
         return _combine(works)
 
     def _exact_allgather(self, outs, inp):
@@ -140,7 +160,9 @@ class QcommProcessGroup(dist.ProcessGroup):
 
     # -- reduce-scatter -----------------------------------------------------------
     def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002
-        return C.reduce_scatter_tensor(output, input, _reduce_op(opts), self, async_op=True)
+        with self._purpose():
+            return C.reduce_scatter_tensor(output, input, _reduce_op(opts), self,
+                                           async_op=True)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -149,10 +171,12 @@ class QcommProcessGroup(dist.ProcessGroup):
             output_tensors, input_tensors = [output_tensors], [input_tensors]
         op = _reduce_op(opts)
         works = []
-        for out, chunks in zip(output_tensors, input_tensors, strict=True):
-            works.append(C.scatter_from(self, out, list(chunks), None, op, async_op=True,
-                                        exact=self._exact_reduce_scatter(out),
-                                        can_compress=_is_flat_form(chunks, out, self.size())))
+        with self._purpose():
+            for out, chunks in zip(output_tensors, input_tensors, strict=True):
+                works.append(C.scatter_from(
+                    self, out, list(chunks), None, op, async_op=True,
+                    exact=self._exact_reduce_scatter(out),
+                    can_compress=_is_flat_form(chunks, out, self.size())))
         return _combine(works)
 
     def _exact_reduce_scatter(self, out):
@@ -173,7 +197,8 @@ class QcommProcessGroup(dist.ProcessGroup):
         if isinstance(tensors, torch.Tensor):  # allreduce(tensor, op) overload
             tensors = [tensors]
         op = _reduce_op(opts)
-        return _combine([C.all_reduce(t, op, self, async_op=True) for t in tensors])
+        with self._purpose():
+            return _combine([C.all_reduce(t, op, self, async_op=True) for t in tensors])
 
     allreduce_coalesced = allreduce
 
@@ -217,63 +242,16 @@ for _name in ("alltoall", "broadcast", "barrier", "send", "recv", "recv_anysourc
 # ---------------------------------------------------------------------------------
 # Inner groups and registration
 
-_INNER_TYPES = {"gloo": dist.ProcessGroup.BackendType.GLOO,
-                "nccl": dist.ProcessGroup.BackendType.NCCL}
-
-
-def _inner_map(spec: str | None) -> dict[str, str]:
-    """``{"cpu": "gloo", "cuda": "nccl"}`` from ``None`` (by device, like torch's
-    default), a backend name, or torch's ``"cpu:gloo,cuda:nccl"`` form."""
-    if spec is None:
-        cuda = torch.cuda.is_available() and dist.is_nccl_available()
-        return {"cpu": "gloo", "cuda": "nccl"} if cuda else {"cpu": "gloo"}
-    spec = spec.strip().lower()
-    if ":" not in spec:
-        if spec == "gloo":
-            return {"cpu": "gloo", "cuda": "gloo"}
-        if spec == "nccl":
-            return {"cuda": "nccl"}
-        raise ValueError(f"QCOMM_INNER / CommConfig.inner: unknown backend {spec!r} "
-                         "(expected 'gloo', 'nccl' or 'cpu:gloo,cuda:nccl')")
-    mapping = {}
-    for part in spec.split(","):
-        device, _, name = part.partition(":")
-        if device.strip() not in ("cpu", "cuda") or name.strip() not in _INNER_TYPES:
-            raise ValueError(f"QCOMM_INNER / CommConfig.inner: bad entry {part!r} in {spec!r}")
-        mapping[device.strip()] = name.strip()
-    return mapping
-
-
-def _make_backend(name: str, store, rank: int, size: int, timeout):
-    if name == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, size, opts)
-
-
-def make_inner(store, rank: int, size: int, timeout, spec: str | None) -> dist.ProcessGroup:
-    """A plain ProcessGroup with real backends per device, as torch builds one."""
-    pg = dist.ProcessGroup(store, rank, size)
-    made: dict[str, object] = {}
-    mapping = _inner_map(spec)
-    for device, name in mapping.items():
-        if name not in made:
-            made[name] = _make_backend(name, dist.PrefixStore(f"inner/{name}/", store),
-                                       rank, size, timeout)
-        pg._register_backend(torch.device(device), _INNER_TYPES[name], made[name])
-    first = next(iter(mapping.values()))
-    pg._set_default_backend(_INNER_TYPES[first])
-    return pg
-
-
 def _create(store, rank: int, size: int, timeout) -> QcommProcessGroup:
     """The creator ``init_process_group("qcomm")`` / ``new_group`` call."""
     config = comm_config_from_env()  # a bad QCOMM_* value fails here, naming it
-    inner = make_inner(store, rank, size, timeout, config.inner)
-    handshake.check_at_creation(store, rank, size, config)
+    inner = I.make_inner(store, rank, size, timeout, config.inner)
+    nodes = handshake.check_at_creation(store, rank, size, config, node_key())
     pg = QcommProcessGroup(inner, config)
-    pg._qcomm_state.agreed = True  # just checked: no exchange at the first collective
+    state = pg._qcomm_state
+    state.agreed = True  # just checked: no exchange at the first collective
+    state.subgroups = Subgroups(store, timeout, config.inner)
+    state.learn_topology(nodes, rank)
     return pg
 
 
@@ -292,6 +270,8 @@ def wrap(group=None, config: CommConfig | None = None) -> QcommProcessGroup:
     inner = I.inner_group(group)
     config = comm_config_from_env() if config is None else config
     pg = QcommProcessGroup(inner, config, owns_inner=False)
+    made = getattr(getattr(group, "_qcomm_state", None), "subgroups", None)
+    pg._qcomm_state.subgroups = made if made is not None else plain_subgroups(inner)
     name = f"{group.group_name}:qcomm:{id(pg):x}"
     pg._set_group_name(name)
     ranks = dict(_c10d._world.pg_group_ranks.get(group, {r: r for r in range(group.size())}))

@@ -32,6 +32,9 @@ WORKER_ENV = {"QCOMM_COMPILE": "0", "OMP_NUM_THREADS": "1"}
 
 def _worker(rank, world, store_path, backend, env, fn, args, results, pg_timeout=60.0):
     try:
+        # each rank its own node unless the test says otherwise: under the default
+        # QCOMM_TOPOLOGY=auto, ranks that share a node (one machine) send exact
+        os.environ.setdefault("QCOMM_NODE", f"node{rank}")
         os.environ.update(env)
         torch.set_num_threads(1)
         import torch.distributed as dist

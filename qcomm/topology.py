@@ -1,0 +1,157 @@
+"""Which members of a group share a node, and the plan its collectives follow.
+
+A group learns its members' nodes once (:mod:`qcomm.handshake`): a group made by
+``init_process_group`` / ``new_group`` through the store at creation, a wrapped or
+plain group with its first collective's config agreement. A node is what
+:func:`qcomm.config.node_key` says (``QCOMM_NODE``, else the hostname and torchrun's
+node rank). Under ``CommConfig.topology == "auto"`` the plan is::
+
+    members on one node                  -> exact (intra_node="compress": flat)
+    one rank per node                    -> flat (one level is already optimal)
+    nodes with unequal numbers of ranks  -> flat, the reason logged once
+    N nodes x P ranks each (any order)   -> two-level: exact inside each node,
+                                            compressed among the ranks of equal
+                                            local index (one per node)
+
+``"flat"`` always runs the one-level algorithms, compressed. With P ranks a node, a
+flat reduce-scatter sends each rank's W - P off-node chunks across the link (P (W - P)
+a node); two-level sends N - 1 node-reduced chunks a rank (P (N - 1) a node): 2x fewer
+at 2 x 2, P x fewer as N grows. All-gather likewise: W - P against N - 1 payloads a
+rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from . import inner as I
+
+log = logging.getLogger("qcomm")
+
+EXACT, FLAT, TWO_LEVEL = "exact", "flat", "two_level"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The members' nodes, seen from one rank. Every member derives the same one from
+    the same keys (the exchange hands every rank the same list)."""
+
+    keys: tuple[str, ...]  # node key of each group rank
+    rank: int  # this rank in the group
+    node_of: tuple[int, ...] = field(init=False)  # node index of each rank (first seen)
+    local_of: tuple[int, ...] = field(init=False)  # index of each rank within its node
+    members: tuple[tuple[int, ...], ...] = field(init=False)  # group ranks of each node
+
+    def __post_init__(self) -> None:
+        index: dict[str, int] = {}
+        members: list[list[int]] = []
+        node_of, local_of = [], []
+        for r, key in enumerate(self.keys):
+            k = index.setdefault(key, len(index))
+            if k == len(members):
+                members.append([])
+            node_of.append(k)
+            local_of.append(len(members[k]))
+            members[k].append(r)
+        object.__setattr__(self, "node_of", tuple(node_of))
+        object.__setattr__(self, "local_of", tuple(local_of))
+        object.__setattr__(self, "members", tuple(tuple(m) for m in members))
+
+    @property
+    def nodes(self) -> int:
+        return len(self.members)
+
+    @property
+    def node(self) -> int:
+        """This rank's node index."""
+        return self.node_of[self.rank]
+
+    @property
+    def local(self) -> int:
+        """This rank's index within its node."""
+        return self.local_of[self.rank]
+
+    @property
+    def per_node(self) -> int | None:
+        """Ranks per node where every node has the same number, else None."""
+        sizes = {len(m) for m in self.members}
+        return sizes.pop() if len(sizes) == 1 else None
+
+    def intra_ranks(self) -> tuple[int, ...]:
+        """The group ranks on this rank's node, by local index."""
+        return self.members[self.node]
+
+    def inter_ranks(self) -> tuple[int, ...]:
+        """The group ranks of this rank's local index, one per node, by node index
+        (two-level plans only: every node has this local index)."""
+        return tuple(m[self.local] for m in self.members)
+
+    def same_node_peers(self) -> int:
+        """Peers of this rank on its own node."""
+        return len(self.intra_ranks()) - 1
+
+    def plan(self, topology: str, intra_node: str) -> tuple[str, str]:
+        """(plan, why) under ``CommConfig.topology`` / ``intra_node``."""
+        world = len(self.keys)
+        if topology == "flat":
+            return FLAT, "QCOMM_TOPOLOGY=flat"
+        if self.nodes == 1:
+            if intra_node == "compress":
+                return FLAT, "one node, QCOMM_INTRA_NODE=compress"
+            return EXACT, f"all {world} ranks on one node"
+        if self.nodes == world:
+            return FLAT, "one rank per node"
+        if self.per_node is None:
+            sizes = sorted({len(m) for m in self.members})
+            return FLAT, f"nodes hold unequal numbers of ranks ({sizes})"
+        return TWO_LEVEL, f"{self.nodes} nodes x {self.per_node} ranks"
+
+
+_logged: set = set()
+
+
+def log_plan_once(topo: Topology, plan: str, why: str) -> None:
+    """Say once per (plan, reason) what a group of several nodes does and why."""
+    if topo.nodes > 1 and plan == FLAT and (plan, why) not in _logged:
+        _logged.add((plan, why))
+        log.info("qcomm: a %d-rank group over %d nodes runs flat (one-level) collectives: %s",
+                 len(topo.keys), topo.nodes, why)
+
+
+def plain_subgroups(group) -> Subgroups:
+    """The subgroup maker of a plain (gloo, NCCL) group: its store and backend from
+    torch's registry of groups, torch's default timeout."""
+    backend, store = dist.distributed_c10d._world.pg_map.get(group, (None, None))
+    spec = backend if isinstance(backend, str) and backend != "qcomm" else None
+    return Subgroups(store, dist.distributed_c10d.default_pg_timeout, spec)
+
+
+class Subgroups:
+    """The two subgroups a two-level plan needs, made once, on first use, from the
+    group's store (gloo and NCCL alike, through :func:`qcomm.inner.make_inner`):
+    ``intra``, this rank's node; ``inter``, the ranks of its local index."""
+
+    def __init__(self, store, timeout, spec: str | None) -> None:
+        self.store, self.timeout, self.spec = store, timeout, spec
+        self._made: tuple | None = None
+
+    def get(self, topo: Topology) -> tuple:
+        if self._made is None:
+            if self.store is None:
+                raise RuntimeError("qcomm: a two-level plan needs the group's store")
+            # Every member makes the same subgroups in the same order (this is its first
+            # two-level collective): it counts them per rank on the store, as
+            # handshake.check_at_creation counts groups, so keys never collide with an
+            # earlier group's on the same store.
+            n = self.store.add(f"qcomm/subgroups/{topo.rank}", 1)
+            intra = I.make_inner(
+                dist.PrefixStore(f"qcomm/sub/{n}/intra/{topo.node}/", self.store),
+                topo.local, len(topo.intra_ranks()), self.timeout, self.spec)
+            inter = I.make_inner(
+                dist.PrefixStore(f"qcomm/sub/{n}/inter/{topo.local}/", self.store),
+                topo.node, topo.nodes, self.timeout, self.spec)
+            self._made = (intra, inter)
+        return self._made
