@@ -45,6 +45,9 @@ from pathlib import Path
 
 import torch
 
+from qcomm import QuantConfig
+from qcomm.oracle import minmax_steps
+
 from . import common
 from .common import Column
 from .link import pin_this_rank, run_ranks
@@ -85,13 +88,7 @@ def make_input(seed: int, call: dict, rank: int, numel: int) -> torch.Tensor:
 
 def bucket_steps(x: torch.Tensor, bits: int, bucket: int) -> torch.Tensor:
     """Per-element quantization step of ``x``'s min-max bucket (buckets from index 0)."""
-    flat = x.float().reshape(-1)
-    n = flat.numel()
-    pad = (-n) % bucket
-    padded = torch.nn.functional.pad(flat, (0, pad), value=float("nan")).view(-1, bucket)
-    lo = torch.nan_to_num(padded, nan=float("inf")).amin(1)
-    hi = torch.nan_to_num(padded, nan=float("-inf")).amax(1)
-    return ((hi - lo) / (2**bits - 1)).repeat_interleave(bucket)[:n]
+    return minmax_steps(x, QuantConfig(bits=bits, bucket_size=bucket))
 
 
 class Checker:

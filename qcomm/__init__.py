@@ -12,6 +12,7 @@ from .collectives import all_gather_into_tensor, all_reduce, reduce_scatter_tens
 from .config import CommConfig, QuantConfig, comm_config_from_env  # noqa: E402
 from .layout import packed_nbytes  # noqa: E402
 from .process_group import QcommProcessGroup, register, wrap  # noqa: E402
+from .purpose import exact  # noqa: E402
 from .stats import CollectiveStats, stats  # noqa: E402
 
 register()
@@ -27,6 +28,7 @@ __all__ = [
     "comm_config_from_env",
     "dequantize",
     "describe",
+    "exact",
     "packed_nbytes",
     "quantize",
     "reduce_scatter_tensor",

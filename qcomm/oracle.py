@@ -218,3 +218,15 @@ def dequantize(payload: torch.Tensor, config, numel: int,
     codes = unpack_codes(payload[meta_end:meta_end + -(-numel // 8) * bits], bits, numel)
     out = [decode_bucket(meta[i], codes[i * B:(i + 1) * B], sid, bits) for i in range(nb)]
     return (torch.cat(out) if out else torch.zeros(0, dtype=F32)).to(dtype)
+
+
+def minmax_steps(x: torch.Tensor, config) -> torch.Tensor:
+    """The step ``(max - min) / (2^b - 1)`` of each element's min-max bucket (fp32, like
+    ``x`` flattened): how far a stochastically rounded element can land from its value
+    (half of it to nearest). Non-finite values are left out of their bucket's range."""
+    flat = x.float().reshape(-1)
+    n, b = flat.numel(), config.bucket_size
+    pad = torch.nn.functional.pad(flat, (0, (-n) % b), value=float("nan")).view(-1, b)
+    lo = torch.nan_to_num(pad, nan=float("inf")).amin(1)
+    hi = torch.nan_to_num(pad, nan=float("-inf")).amax(1)
+    return ((hi - lo) / (2**config.bits - 1)).repeat_interleave(b)[:n]

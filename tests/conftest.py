@@ -120,6 +120,18 @@ def make(rank: int, n: int, dtype: torch.dtype = torch.float32, salt: int = 0, *
     return (x * (1 + rank) if spread else x).to(dtype)
 
 
+def bound(steps: torch.Tensor, q) -> torch.Tensor:
+    """Error bound from steps: one step (stochastic) or half (nearest), with fp32 slack."""
+    factor = 1.0 if q.rounding == "stochastic" else 0.5
+    return steps * factor * 1.001 + 1e-6
+
+
+def assert_within(actual: torch.Tensor, want: torch.Tensor, limit: torch.Tensor, what: str):
+    """|actual - want| <= limit, plus the output dtype's own rounding of ``want``."""
+    slack = limit + torch.finfo(actual.dtype).eps * want.float().abs()
+    assert_close_where(actual, want, slack, f"{what} beyond the codec's bound")
+
+
 def assert_close_where(actual: torch.Tensor, expected: torch.Tensor, atol,
                        what: str = "") -> None:
     """Assert |actual - expected| <= atol (a float or a per-element tensor), reporting

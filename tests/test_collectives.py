@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_close_where, make, run_ranks
+from conftest import assert_within, bound, make, run_ranks
 from torch.distributed import ReduceOp
 
 import qcomm
@@ -23,35 +23,12 @@ from qcomm import CommConfig, QuantConfig
 from qcomm.handshake import CONFIG_NBYTES
 from qcomm.inner import method as _method
 from qcomm.layout import DESC_NBYTES, packed_nbytes
+from qcomm.oracle import minmax_steps
 
 pytestmark = pytest.mark.slow
 
 Q8 = QuantConfig(bits=8, bucket_size=1024)
 Q4 = QuantConfig(bits=4, bucket_size=128, rounding="nearest")
-
-
-def bucket_steps(x: torch.Tensor, q: QuantConfig) -> torch.Tensor:
-    """Per-element quantization step of ``x``'s bucket (min-max scheme)."""
-    flat = x.float().reshape(-1)
-    n, b = flat.numel(), q.bucket_size
-    pad = (-n) % b
-    buckets = torch.nn.functional.pad(flat, (0, pad), value=float("nan")).view(-1, b)
-    lo = torch.nan_to_num(buckets, nan=float("inf")).amin(1)
-    hi = torch.nan_to_num(buckets, nan=float("-inf")).amax(1)
-    step = (hi - lo) / (2**q.bits - 1)
-    return step.repeat_interleave(b)[:n]
-
-
-def bound(steps: torch.Tensor, q: QuantConfig) -> torch.Tensor:
-    """Error bound from steps: one step (stochastic) or half (nearest), with fp32 slack."""
-    factor = 1.0 if q.rounding == "stochastic" else 0.5
-    return steps * factor * 1.001 + 1e-6
-
-
-def assert_within(actual: torch.Tensor, want: torch.Tensor, limit: torch.Tensor, what: str):
-    """|actual - want| <= limit, plus the output dtype's own rounding of ``want``."""
-    slack = limit + torch.finfo(actual.dtype).eps * want.float().abs()
-    assert_close_where(actual, want, slack, f"{what} beyond the codec's bound")
 
 
 def _compressed_body(rank, world, q, dtype, n):
@@ -63,13 +40,13 @@ def _compressed_body(rank, world, q, dtype, n):
     out[rank * n:(rank + 1) * n].copy_(inputs[rank])
     qcomm.all_gather_into_tensor(out, out[rank * n:(rank + 1) * n], group, config=q)
     exact = torch.cat(inputs)
-    steps = torch.cat([bucket_steps(t, q) for t in inputs])
+    steps = torch.cat([minmax_steps(t, q) for t in inputs])
     assert_within(out, exact, bound(steps, q), "all-gather")
     res["ag"] = out
     # reduce-scatter, SUM / AVG / PREMUL_SUM
     big = [make(r, world * n, dtype, salt=1) for r in range(world)]
     total = torch.stack([t.float() for t in big]).sum(0)
-    chunk_steps = torch.stack([bucket_steps(t.view(world, n)[rank], q) for t in big])
+    chunk_steps = torch.stack([minmax_steps(t.view(world, n)[rank], q) for t in big])
     peers = [r for r in range(world) if r != rank]
     rs_bound = bound(chunk_steps[peers].sum(0), q)
     mine = slice(rank * n, (rank + 1) * n)

@@ -156,8 +156,9 @@ def test_triton_nonfinite_buckets(scheme, bits, dtype, rounding):
 # Expected failures under the interpreter, strict, so a fix fails them (XPASS) until the
 # mark goes; on a GPU they run as plain tests (bench/device_check.sh shows whether the
 # compiled kernels disagree too).
-@pytest.mark.xfail(DEVICE == "cpu", strict=True, reason="minmax meta: the kernels' min/max of equal "
-                   "zeros keep another sign than the first in the bucket")
+@pytest.mark.xfail(DEVICE == "cpu", strict=True,
+                   reason="minmax meta: the kernels' min/max of equal zeros keep another "
+                   "sign than the first in the bucket")
 def test_known_signed_zero_meta():
     """A bucket of values >= 0 with +0.0 first and -0.0 in its second half: the oracle
     and the torch path store min = +0.0 (the first of equals), the kernels (interpreted,
@@ -170,8 +171,9 @@ def test_known_signed_zero_meta():
     assert torch.equal(quantize(x.to(DEVICE), cfg, seed=0, impl="triton").payload.cpu(), want)
 
 
-@pytest.mark.xfail(DEVICE == "cpu", strict=True, reason="NaN bits: bf16 NaN 0x7FC0 where torch's cast "
-                   "writes 0xFFFF; nuq's sign bit ORed into inf * 0 where torch negates")
+@pytest.mark.xfail(DEVICE == "cpu", strict=True,
+                   reason="NaN bits: bf16 NaN 0x7FC0 where torch's cast writes 0xFFFF; "
+                   "nuq's sign bit ORed into inf * 0 where torch negates")
 @pytest.mark.parametrize("case", ["bf16-nan", "nuq-l2-overflow"])
 def test_known_nan_bits(case):
     """Values that decode to NaN get other NaN bits from the kernels than from torch:
