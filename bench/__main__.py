@@ -4,6 +4,14 @@
     python -m bench collectives                 # ranks on loopback (self-launched)
     python -m bench collectives --link 1gbit    # two namespaces behind a shaped link
     python -m bench train                       # FSDP2 training, exact vs quantized
+
+Nodes (qcomm's topology): every self-launched rank is told its node (QCOMM_NODE);
+without --nodes each loopback rank is a node of its own and each --link namespace one.
+
+    python -m bench collectives --nodes 2 --ranks-per-node 2 --link 100mbit
+        # 2 nodes x 2 ranks, a namespace per node: exact vs qcomm8-flat vs qcomm8-auto
+    python -m bench train --nodes 2 --ranks-per-node 2 --link 100mbit --mode fsdp2,hsdp
+        # FSDP2 full shard and HSDP on 2 x 2: fp32 vs w8g8-flat vs w8g8-auto
 """
 
 from __future__ import annotations

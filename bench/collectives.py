@@ -23,7 +23,36 @@ against the exact fp32 result), and for qcomm the phases timed on their own:
 
 Each point: warm-up calls, then the median of ``--iters`` timed calls (fewer, never
 under 3, when one point would exceed ``--budget`` seconds); every timed call starts
-after a barrier and counts as the slowest rank's time.
+after a barrier and counts as the slowest rank's time. ``--rounds R`` times every
+variant of a point R times, the variants interleaved round by round (a shaped link's
+medians of 3 calls swing by a third, NOTES.md); the row's time is the median of all its
+rounds' calls, ``spread`` the range of the round medians over their median.
+
+Nodes (issue 18's topology): every rank is told its node (``QCOMM_NODE``). Without
+``--nodes``, each rank on loopback is a node and each ``--link`` namespace is one.
+``--nodes N --ranks-per-node P`` runs ``N P`` ranks as N nodes of P (``--rank-order``
+node-major or round-robin); with ``--link RATE`` (N = 2) each node is one network
+namespace: the ranks of a node talk over its own address, unshaped, the nodes over
+the shaped veth. On loopback the nodes are node ids only (bytes, not times, mean
+something). The default variants are then ``exact,qcomm8-flat,qcomm8-auto``::
+
+    python -m bench collectives --nodes 2 --ranks-per-node 2 --link 100mbit --rounds 5
+
+With ``--sizes 2^23`` alone it measures issue 18's point: 8 MiB per rank (each rank's
+all-gather shard and reduce-scatter output, fp32) at 4 ranks.
+
+Variants: ``exact`` (the inner gloo/NCCL collective), ``bf16`` (a cast around it),
+``qcommB`` (qcomm's direct calls on the plain group, B bits, topology as the
+environment's ``QCOMM_TOPOLOGY``, default auto), ``qcommB-flat`` / ``qcommB-auto`` (a
+:func:`qcomm.wrap` of the group with ``CommConfig(topology="flat"|"auto")``: one-level
+algorithms vs two-level ones, exact inside a node and compressed across). Columns
+added for nodes: ``inter(B)`` / ``intra(B)``, the bytes one rank sends per call to
+peers on other nodes / on its own (qcomm.stats' ``inter_node_bytes`` /
+``intra_node_bytes``, averaged over the ranks; for exact and bf16 the same
+direct-exchange count from the layout), and ``vs_flat`` (flat time / auto time).
+Issue 18's targets at 2 x 2 over 100 Mbit/s, 8 bits, 8 MiB per rank: two-level
+reduce-scatter >= 1.6x faster than flat, all-gather >= 1.3x, error no worse than
+flat's (:func:`topology_lines`).
 """
 
 from __future__ import annotations
@@ -32,6 +61,8 @@ import argparse
 import datetime
 import json
 import os
+import re
+import socket
 import statistics
 import sys
 import tempfile
@@ -44,17 +75,58 @@ import torch
 
 from . import common
 from .common import Column
-from .link import LinkError, ShapedLink, link_shaping, parse_rate, pin_this_rank, run_ranks
+from .link import (
+    LinkError,
+    ShapedLink,
+    add_layout_arguments,
+    default_nodes,
+    layout_name,
+    link_shaping,
+    node_layout,
+    parse_rate,
+    pin_this_rank,
+    run_ranks,
+)
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 BUS_FACTOR = {"all_gather": lambda w: (w - 1) / w, "reduce_scatter": lambda w: (w - 1) / w,
               "all_reduce": lambda w: 2 * (w - 1) / w}
 VARIANTS = ("exact", "qcomm8", "qcomm4", "qcomm2", "bf16")
+NODE_VARIANTS = ("exact", "qcomm8-flat", "qcomm8-auto")  # the default with --nodes
+_VARIANT = re.compile(r"exact|bf16|qcomm([1-8])(?:-(flat|auto))?")
 PHASES = ("quant", "xfer", "dequant")  # qcomm's steps, timed on their own
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Issue 4's target: at >= 16 MiB over a slow link, speedup >= 0.9 x compression ratio.
 TARGET_MIN_BYTES = 16 << 20
 TARGET_FRACTION = 0.9
+# Issue 18's targets: two-level (auto) over flat at 2 x 2, 8 bits, >= 8 MiB per rank.
+TOPOLOGY_TARGETS = {"reduce_scatter": 1.6, "all_gather": 1.3}
+TOPOLOGY_MIN_RANK_BYTES = 8 << 20
+# "error no worse than flat's": stochastic rounding's error norm varies ~1/sqrt(n)
+# from seed to seed (far under 1% at these sizes); 2% keeps a coin flip from failing it.
+TOPOLOGY_ERR_SLACK = 1.02
+
+
+def parse_variant(name: str) -> tuple[int | None, str | None]:
+    """``"qcomm8-auto"`` -> ``(8, "auto")``; ``"qcomm4"`` -> ``(4, None)``; ``"exact"`` /
+    ``"bf16"`` -> ``(None, None)``; ValueError on anything else."""
+    m = _VARIANT.fullmatch(name)
+    if not m:
+        raise ValueError(f"bad variant {name!r}: use exact, bf16, qcommB, qcommB-flat or "
+                         "qcommB-auto (B = 1..8 bits)")
+    return (int(m[1]) if m[1] else None), m[2]
+
+
+def parse_variants(text: str) -> list[str]:
+    """Comma list of variants (:func:`parse_variant`); ``"all"`` is :data:`VARIANTS`."""
+    if text.strip() == "all":
+        return list(VARIANTS)
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"--variants: no variant in {text!r}")
+    for name in items:
+        parse_variant(name)
+    return items
 
 
 # --------------------------------------------------------------------------- ranks
@@ -114,10 +186,12 @@ def _bf16(case: Case, group, dist) -> Callable[[], None]:
     return call
 
 
-def _qcomm(case: Case, group, bits: int) -> Callable[[], None]:
+def _qcomm(case: Case, group, bits: int, topology: str | None = None) -> Callable[[], None]:
+    """qcomm's direct call: on the plain group with a B-bit config, or (``topology``)
+    on that variant's wrapped group with the group's own config."""
     import qcomm
 
-    config = qcomm.QuantConfig(bits=bits)
+    config = None if topology else qcomm.QuantConfig(bits=bits)
     if case.coll == "all_gather":
         return lambda: qcomm.all_gather_into_tensor(case.out, case.inp, group, config=config)
     if case.coll == "reduce_scatter":
@@ -190,7 +264,9 @@ class Timer:
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.group)
         return t.tolist()
 
-    def __call__(self, fn: Callable[[], object], before: Callable[[], None] | None = None):
+    def times(self, fn: Callable[[], object],
+              before: Callable[[], None] | None = None) -> list[float]:
+        """Seconds of each timed call (the slowest rank's), after the warm-up."""
         def barrier_then():
             if before is not None:
                 before()
@@ -199,8 +275,10 @@ class Timer:
         warm = common.time_calls(fn, max(1, self.warmup), before=barrier_then, sync=self.sync)
         estimate = self._max([min(warm)])[0]
         n = common.plan_iters(estimate, self.iters, self.budget)
-        times = common.time_calls(fn, n, before=barrier_then, sync=self.sync)
-        return statistics.median(self._max(times))
+        return self._max(common.time_calls(fn, n, before=barrier_then, sync=self.sync))
+
+    def __call__(self, fn: Callable[[], object], before: Callable[[], None] | None = None):
+        return statistics.median(self.times(fn, before))
 
 
 def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -208,21 +286,56 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _measure(case: Case, variant: str, ref: torch.Tensor, group, dist, timer: Timer,
-             spec: dict) -> dict:
-    """One row: time ``variant`` on ``case``, then its error, wire bytes and phases."""
+def _variant_group(variant: str, group):
+    """The group a variant calls: a :func:`qcomm.wrap` of ``group`` with the variant's
+    bits and topology (every rank creates them in the same order), else ``group``."""
+    bits, topology = parse_variant(variant)
+    if topology is None:
+        return group
     import qcomm
 
-    bits = int(variant[5:]) if variant.startswith("qcomm") else None
+    q = qcomm.QuantConfig(bits=bits)
+    return qcomm.wrap(group, qcomm.CommConfig(all_gather=q, reduce_scatter=q, all_reduce=q,
+                                              topology=topology))
+
+
+def _call(case: Case, variant: str, vgroup, dist) -> Callable[[], None]:
     if variant == "exact":
-        fn = _exact(case, group, dist)
-    elif variant == "bf16":
-        fn = _bf16(case, group, dist)
+        return _exact(case, vgroup, dist)
+    if variant == "bf16":
+        return _bf16(case, vgroup, dist)
+    return _qcomm(case, vgroup, *parse_variant(variant))
+
+
+def _split_bytes(row: dict, stat, case: Case, nodes: list[int], group, dist) -> None:
+    """``intra`` / ``inter``: this call's bytes to peers on this rank's node / on other
+    nodes, averaged over the ranks. qcomm variants: their stats (without node counters,
+    all as inter); exact and bf16: ``wire`` spread evenly over the peers (qcomm.stats'
+    direct-exchange count)."""
+    if stat is not None:
+        intra = getattr(stat, "intra_node_bytes", 0)
+        inter = getattr(stat, "inter_node_bytes", stat.wire_bytes - intra)
     else:
-        fn = _qcomm(case, group, bits)
-    t = timer(fn, before=case.reset)
+        same = nodes.count(nodes[case.rank]) - 1
+        intra = row["wire"] * same / (case.world - 1)
+        inter = row["wire"] - intra
+    t = torch.tensor([intra, inter], dtype=torch.float64, device=case.device)
+    dist.all_reduce(t, group=group)
+    row["intra"], row["inter"] = (t / case.world).tolist()
+
+
+def _measure(case: Case, variant: str, rounds: list[list[float]], ref: torch.Tensor, group,
+             vgroup, dist, timer: Timer, spec: dict) -> dict:
+    """One row from ``variant``'s timed rounds on ``case``: its time, then (one call
+    more) its error, wire bytes, their split by node, and phases."""
+    import qcomm
+
+    bits, topology = parse_variant(variant)
+    fn = _call(case, variant, vgroup, dist)
+    t = statistics.median(x for r in rounds for x in r)
+    medians = [statistics.median(r) for r in rounds]
     case.reset()
-    qcomm.stats(group, reset=True)
+    qcomm.stats(vgroup, reset=True)
     fn()  # once more, untimed: the error and the bytes this call put on the wire
     itemsize = case.inp.element_size()
     size = case.numel * itemsize
@@ -231,28 +344,52 @@ def _measure(case: Case, variant: str, ref: torch.Tensor, group, dist, timer: Ti
     row = {"collective": case.coll, "variant": variant, "size": size, "count": case.count,
            "type": spec["dtype"], "time_us": t * 1e6, "algbw": size / t / 1e9,
            "busbw": size / t / 1e9 * factor, "rel_err": _rel_err(case.out, ref),
-           "world": case.world, "link": spec["link"]}
+           "world": case.world, "link": spec["link"], "bits": bits, "topology": topology,
+           "layout": spec["layout"], "rank_bytes": case.count * itemsize,
+           "rounds": len(rounds), "round_us": [m * 1e6 for m in medians],
+           "spread": (max(medians) - min(medians)) / statistics.median(medians)}
+    stat = None
     if bits is None:
         row["wire"] = exact_wire * 2 // itemsize if variant == "bf16" else exact_wire
     else:
-        s = qcomm.stats(group, reset=True)[case.coll]
-        row["wire"] = s.wire_bytes
-        row["compressed"] = s.calls_compressed > 0
-        if spec["phases"] and row["compressed"]:
+        stat = qcomm.stats(vgroup, reset=True)[case.coll]
+        row["wire"] = stat.wire_bytes
+        row["compressed"] = stat.calls_compressed > 0
+        # the phases are the one-level algorithms': not what a two-level call runs
+        if spec["phases"] and row["compressed"] and not _two_level(topology, spec["nodes"]):
             for name, phase in _phases(case, group, dist, bits).items():
                 row[f"{name}_us"] = timer(phase) * 1e6
             # what the phases timed on their own do not explain (headers, copies, the
             # link's state between phases, noise)
             row["other_us"] = row["time_us"] - sum(row[f"{k}_us"] for k in PHASES)
     row["ratio"] = exact_wire / row["wire"] if row["wire"] else float("nan")
+    _split_bytes(row, stat, case, spec["nodes"], group, dist)
     return row
+
+
+def _two_level(topology: str | None, nodes: list[int]) -> bool:
+    """Whether a qcomm call of ``topology`` (None: the environment's) may run two-level
+    on ``nodes``: auto, and some node holds several ranks."""
+    if topology is None:
+        topology = os.environ.get("QCOMM_TOPOLOGY", "").strip().lower() or "auto"
+    return topology == "auto" and max(nodes.count(n) for n in nodes) > 1
+
+
+def _compare(point: list[dict]) -> None:
+    """Within one point: ``speedup`` over exact, and each auto row's ``vs_flat``."""
+    by = {r["variant"]: r for r in point}
+    for row in point:
+        if "exact" in by:
+            row["speedup"] = by["exact"]["time_us"] / row["time_us"]
+        flat = by.get(f"qcomm{row['bits']}-flat")
+        if row["topology"] == "auto" and flat:
+            row["vs_flat"] = flat["time_us"] / row["time_us"]
 
 
 @torch.no_grad()  # as the collectives run: the compiled codec recompiles on grad mode
 def worker(spec: dict) -> None:
     """One rank: run the sweep; rank 0 writes the rows to ``spec["result"]``."""
     import torch.distributed as dist
-
 
     start = time.monotonic()
     pin_this_rank()
@@ -266,9 +403,12 @@ def worker(spec: dict) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = DTYPES[spec["dtype"]]
     timer = Timer(group, dist, device, spec["iters"], spec["warmup"], spec["budget"])
+    variants = spec["variants"]
+    vgroups = {v: _variant_group(v, group) for v in variants}
     rows = []
+    where = spec["link"] + (f" {spec['layout']}" if spec["layout"] else "")
     if rank == 0:
-        print(f"# {spec['link']}: {world} ranks up ({time.monotonic() - start:.1f} s)",
+        print(f"# {where}: {world} ranks up ({time.monotonic() - start:.1f} s)",
               file=sys.stderr, flush=True)
     for coll in spec["collectives"]:
         for numel in spec["sizes"]:
@@ -276,31 +416,42 @@ def worker(spec: dict) -> None:
             case.reset()
             _exact(case, group, dist)()
             ref = case.out.clone()  # the exact fp32 answer for rel_err
-            exact_t = None
-            for variant in spec["variants"]:
-                row = _measure(case, variant, ref, group, dist, timer, spec)
-                exact_t = row["time_us"] if variant == "exact" else exact_t
-                if exact_t is not None:
-                    row["speedup"] = exact_t / row["time_us"]
-                rows.append(row)
+            times = {v: [] for v in variants}
+            for k in range(spec["rounds"]):  # interleaved, each round from the next variant
+                for v in variants[k % len(variants):] + variants[:k % len(variants)]:
+                    times[v].append(timer.times(_call(case, v, vgroups[v], dist),
+                                                before=case.reset))
+            point = [_measure(case, v, times[v], ref, group, vgroups[v], dist, timer, spec)
+                     for v in variants]
+            _compare(point)
+            rows += point
             if rank == 0:
-                print(f"# {spec['link']}: {coll} {common.human_bytes(row['size'])} done "
+                print(f"# {where}: {coll} {common.human_bytes(point[0]['size'])} done "
                       f"({time.monotonic() - start:.1f} s)", file=sys.stderr, flush=True)
-    dist.barrier(group=group)
+    hosts = [None] * world  # what each rank saw: its hostname and node id
+    dist.all_gather_object(hosts, {"hostname": socket.gethostname(),
+                                   "node": os.environ.get("QCOMM_NODE")}, group=group)
     if rank == 0:
-        Path(spec["result"]).write_text(json.dumps(rows))
+        Path(spec["result"]).write_text(json.dumps({"rows": rows, "hosts": hosts}))
     dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------- driver
 
 
-def columns(phases: bool) -> list[Column]:
+def columns(phases: bool, *, topology: bool = False, rounds: int = 1) -> list[Column]:
+    """The table: nccl-tests' columns, ours, the bytes by node; ``topology``: auto's
+    ``vs_flat``; ``rounds`` > 1: the spread of the round medians."""
     cols = [Column("size", "size"), Column("count", "count"), Column("type", "type"),
             Column("variant", "variant"), Column("time_us", "time(us)", "{:.1f}"),
             Column("algbw", "algbw(GB/s)", "{:.3f}"), Column("busbw", "busbw(GB/s)", "{:.3f}"),
             Column("wire", "wire(B)"), Column("ratio", "ratio", "{:.2f}x"),
             Column("speedup", "speedup", "{:.2f}x"), Column("rel_err", "rel_err", "{:.2e}")]
+    cols += [Column("inter", "inter(B)", "{:.0f}"), Column("intra", "intra(B)", "{:.0f}")]
+    if topology:
+        cols.append(Column("vs_flat", "vs_flat", "{:.2f}x"))
+    if rounds > 1:
+        cols.append(Column("spread", "spread", "{:.0%}"))
     if phases:
         cols += [Column(f"{k}_us", f"{k}(us)", "{:.1f}") for k in (*PHASES, "other")]
     return cols
@@ -312,7 +463,8 @@ def target_lines(rows: list[dict]) -> list[str]:
     lines = []
     for row in rows:
         if (row["variant"].startswith("qcomm") and row["size"] >= TARGET_MIN_BYTES
-                and row.get("speedup") and row.get("compressed")):
+                and row.get("speedup") and row.get("compressed")
+                and row.get("topology") != "auto"):  # two-level: topology_lines
             frac = row["speedup"] / row["ratio"]
             where = ""
             if "quant_us" in row:
@@ -332,6 +484,55 @@ def verdict(frac: float, link: str) -> str:
     return "met" if frac >= TARGET_FRACTION else "short"
 
 
+def _unjudged(row: dict) -> str | None:
+    """Why issue 18's targets do not apply to ``row`` (None: they do)."""
+    layout = row.get("layout") or ""
+    nodes, _, per = layout.partition("x")
+    if row["link"] == "loopback":
+        return "not judged on loopback"
+    if not per or int(nodes) < 2 or int(per.split("-")[0]) < 2:
+        return "not judged: needs --nodes 2 --ranks-per-node >= 2"
+    if row["bits"] != 8:
+        return "not judged: targets are at 8 bits"
+    if row["rank_bytes"] < TOPOLOGY_MIN_RANK_BYTES:
+        return f"not judged under {common.human_bytes(TOPOLOGY_MIN_RANK_BYTES)} per rank"
+    return None
+
+
+def topology_lines(rows: list[dict]) -> list[str]:
+    """Issue 18's targets, per point that has both ``qcommB-auto`` and ``qcommB-flat``:
+    auto's time over flat's (reduce-scatter >= 1.6x, all-gather >= 1.3x), its error no
+    worse than flat's (within 2%), and the inter-node bytes of both, judged at 2 x 2
+    on a shaped link, 8 bits, >= 8 MiB per rank (else the same lines, not judged)."""
+    flats = {(r["collective"], r["size"], r["bits"]): r for r in rows
+             if r.get("topology") == "flat"}
+    lines = []
+    for auto in rows:
+        flat = flats.get((auto["collective"], auto["size"], auto["bits"]))
+        if auto.get("topology") != "auto" or flat is None:
+            continue
+        why = _unjudged(auto)
+        target = TOPOLOGY_TARGETS.get(auto["collective"])
+        faster = flat["time_us"] / auto["time_us"]
+        time_verdict = "no target" if target is None else (
+            why or ("met" if faster >= target else "short"))
+        err_ok = auto["rel_err"] <= flat["rel_err"] * TOPOLOGY_ERR_SLACK
+        err_verdict = why or ("met" if err_ok else "short")
+        spread = ""
+        if auto.get("rounds", 1) > 1:
+            spread = (f", spread {auto['spread']:.0%} / {flat['spread']:.0%} over "
+                      f"{auto['rounds']} rounds")
+        lines.append(
+            f"# {auto['link']:>8} {auto.get('layout') or ''} {auto['collective']:14s} "
+            f"{common.human_bytes(auto['size']):>9} ({common.human_bytes(auto['rank_bytes'])}"
+            f"/rank) {auto['variant']} vs {flat['variant']}: {faster:.2f}x faster"
+            + (f" (target >= {target}x: {time_verdict})" if target else " (no target)")
+            + f", rel_err {auto['rel_err']:.2e} vs {flat['rel_err']:.2e} (no worse: "
+            f"{err_verdict}), inter-node {common.human_bytes(auto['inter'])} vs "
+            f"{common.human_bytes(flat['inter'])} per call and rank{spread}")
+    return lines
+
+
 def plot_busbw(folder: Path, stem: str, rows: list[dict], header: dict):
     panels = {}
     for coll in COLLECTIVES:
@@ -342,16 +543,20 @@ def plot_busbw(folder: Path, stem: str, rows: list[dict], header: dict):
                             for v in dict.fromkeys(r["variant"] for r in sel)}
     return common.plot_lines(
         folder / f"{stem}.png", panels, xlabel="size (bytes)", ylabel="bus bandwidth (GB/s)",
-        suptitle=f"qcomm collectives, {header['link']}, {rows[0]['world']} ranks, "
-                 f"{common.machine_name(header)}", logy=True)
+        suptitle=f"qcomm collectives, {header['link']}, {rows[0]['world']} ranks"
+                 + (f" ({header['layout']} nodes x ranks)" if header.get("layout") else "")
+                 + f", {common.machine_name(header)}", logy=True)
 
 
-def plot_speedup(folder: Path):
+def plot_speedup(folder: Path, layout: str | None = None):
     """Speedup over exact vs link rate at the largest size all runs share, from every
-    ``collectives-*.json`` in ``folder`` (loopback drawn right of the fastest rate)."""
+    ``collectives-*.json`` in ``folder`` of the same node ``layout`` (loopback drawn
+    right of the fastest rate)."""
     runs = []
     for path in sorted(folder.glob("collectives-*.json")):
         data = json.loads(path.read_text())
+        if data["header"].get("layout") != layout:
+            continue
         parsed = parse_rate(data["header"]["link"])
         runs.append((parsed[1] if parsed else None, data["rows"]))
     if len(runs) < 2:
@@ -377,8 +582,10 @@ def plot_speedup(folder: Path):
                     ys.append(r["speedup"])
         if series:
             panels[coll] = series
+    suffix = f"-{layout}" if layout else ""
     return common.plot_lines(
-        folder / "speedup-vs-link.png", panels, xlabel="link rate (Mbit/s; rightmost: loopback)",
+        folder / f"speedup-vs-link{suffix}.png", panels,
+        xlabel="link rate (Mbit/s; rightmost: loopback)",
         ylabel="speedup over exact", suptitle="qcomm speedup vs link rate", hline=1.0)
 
 
@@ -387,18 +594,23 @@ def run_one(args, rate: str | None) -> Path:
     tag = rate or "loopback"
     device = "cuda (nccl)" if args.backend == "nccl" else "cpu (gloo)"
     header = common.run_header("collectives", device=device, link=tag, command=args.command)
+    nodes = args.node_of_rank or default_nodes(args.world, rate is not None)
+    layout = layout_name(args.node_of_rank)
+    header["layout"] = layout  # None: no --nodes (a node per rank, or per --link host)
+    header["node_of_rank"] = nodes
     if rate is not None:
-        header["link_shaping"] = link_shaping(rate)
+        header["link_shaping"] = link_shaping(rate, nodes)
     header["sweep"] = {"sizes": args.sizes, "collectives": args.collectives,
                        "variants": args.variants, "iters": args.iters, "warmup": args.warmup,
-                       "budget_s": args.budget, "world": args.world, "dtype": args.dtype}
+                       "budget_s": args.budget, "world": args.world, "dtype": args.dtype,
+                       "rounds": args.rounds}
     print(common.format_header(header), flush=True)
     with tempfile.TemporaryDirectory(prefix="qcomm-bench-") as tmp:
         spec = {"sizes": args.sizes, "collectives": args.collectives,
                 "variants": args.variants, "iters": args.iters, "warmup": args.warmup,
                 "budget": args.budget, "dtype": args.dtype, "phases": not args.no_phases,
-                "backend": args.backend,
-                "link": tag, "op_timeout": args.op_timeout,
+                "backend": args.backend, "rounds": args.rounds, "nodes": nodes,
+                "layout": layout, "link": tag, "op_timeout": args.op_timeout,
                 "result": str(Path(tmp) / "rows.json")}
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(spec))
@@ -406,22 +618,29 @@ def run_one(args, rate: str | None) -> Path:
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(common.ROOT),
                                                            os.environ.get("PYTHONPATH")]))}
         if rate is None:
-            run_ranks(argv, args.world, timeout_s=args.timeout, env=env)
+            run_ranks(argv, args.world, nodes=nodes, timeout_s=args.timeout, env=env)
         else:
             with ShapedLink(rate) as link:
-                run_ranks(argv, args.world, link=link, timeout_s=args.timeout, env=env)
-        rows = json.loads(Path(spec["result"]).read_text())
-    cols = columns(not args.no_phases)
+                run_ranks(argv, args.world, link=link, nodes=nodes, timeout_s=args.timeout,
+                          env=env)
+        result = json.loads(Path(spec["result"]).read_text())
+    rows, header["ranks"] = result["rows"], result["hosts"]
+    print("# ranks (node@hostname): " + ", ".join(
+        f"{r} {h['node']}@{h['hostname']}" for r, h in enumerate(header["ranks"])))
+    cols = columns(not args.no_phases, rounds=args.rounds,
+                   topology=any(parse_variant(v)[1] for v in args.variants))
     folder = common.results_dir(args.out, header)
+    stem = f"collectives-{tag}" + (f"-{layout}" if layout else "")
+    where = f"{args.world} ranks" + (f" ({layout} nodes x ranks)" if layout else "")
     for coll in args.collectives:
-        print(f"\n# {coll}, {args.world} ranks, link {tag}")
+        print(f"\n# {coll}, {where}, link {tag}")
         print(common.format_table(cols, [r for r in rows if r["collective"] == coll]))
-    common.write_results(folder, f"collectives-{tag}", header, cols, rows)
-    print(f"# wrote {folder}/collectives-{tag}.json, .csv", file=sys.stderr)
-    for line in target_lines(rows):
+    common.write_results(folder, stem, header, cols, rows)
+    print(f"# wrote {folder}/{stem}.json, .csv", file=sys.stderr)
+    for line in target_lines(rows) + topology_lines(rows):
         print(line)
-    if not args.no_plot and plot_busbw(folder, f"collectives-{tag}", rows, header):
-        print(f"# wrote {folder}/collectives-{tag}.png", file=sys.stderr)
+    if not args.no_plot and plot_busbw(folder, stem, rows, header):
+        print(f"# wrote {folder}/{stem}.png", file=sys.stderr)
     return folder
 
 
@@ -429,10 +648,10 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--link", type=common.arg(parse_links), default=[None],
                    help="comma list of link rates (100mbit, 1gbit, ...) or loopback; "
                         "a rate runs the ranks in two network namespaces (needs root)")
-    p.add_argument("--world", type=common.arg(parse_world),
-                   default=max(2, torch.cuda.device_count()),
+    p.add_argument("--world", type=common.arg(parse_world), default=None,
                    help="ranks (split over the two hosts with --link; default 2, or one per "
-                        "GPU)")
+                        "GPU; with --nodes: nodes x ranks per node)")
+    add_layout_arguments(p)
     p.add_argument("--backend", choices=["gloo", "nccl"],
                    default="nccl" if torch.cuda.device_count() >= 2 else "gloo",
                    help="the inner backend: gloo on CPU tensors, nccl on one GPU per rank "
@@ -443,9 +662,14 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
                         "(default 10..26:2)")
     p.add_argument("--collectives", type=common.arg(
         lambda s: common.parse_list(s, COLLECTIVES, "--collectives")), default=list(COLLECTIVES))
-    p.add_argument("--variants", type=common.arg(
-        lambda s: common.parse_list(s, VARIANTS, "--variants")),
-                   default=list(VARIANTS), help="exact first: the others' speedup is over it")
+    p.add_argument("--variants", type=common.arg(parse_variants), default=None,
+                   help="exact, bf16, qcommB (B bits, direct calls on the plain group), "
+                        "qcommB-flat / qcommB-auto (a qcomm group with that topology); "
+                        "speedup is over exact, vs_flat over qcommB-flat (default "
+                        f"{','.join(VARIANTS)}; with --nodes {','.join(NODE_VARIANTS)})")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every variant of a point this many times, interleaved (the "
+                        "median over all rounds' calls)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--iters", type=int, default=10, help="timed calls per point (median)")
     p.add_argument("--warmup", type=int, default=2)
@@ -471,7 +695,30 @@ def parse_world(text: str) -> int:
     return world
 
 
+def resolve(args) -> str | None:
+    """Fill in the layout (``args.node_of_rank``), world and variants; the error text
+    of a bad combination, else None."""
+    try:
+        args.node_of_rank = node_layout(args.nodes, args.ranks_per_node, args.world,
+                                        args.rank_order, link=any(args.link))
+    except ValueError as err:
+        return str(err)
+    if args.rounds < 1:
+        return f"--rounds must be >= 1, got {args.rounds}"
+    if args.node_of_rank is not None:
+        args.world = len(args.node_of_rank)
+    elif args.world is None:
+        args.world = max(2, torch.cuda.device_count())
+    if args.variants is None:
+        args.variants = list(NODE_VARIANTS if args.node_of_rank else VARIANTS)
+    return None
+
+
 def main(args) -> int:
+    error = resolve(args)
+    if error:
+        print(f"python -m bench collectives: {error}", file=sys.stderr)
+        return 2
     folder = None
     for rate in args.link:
         try:
@@ -480,7 +727,7 @@ def main(args) -> int:
             print(f"python -m bench collectives: {err}", file=sys.stderr)
             return 2
     if folder is not None and not args.no_plot:  # with >= 2 link rates in the folder
-        png = plot_speedup(folder)
+        png = plot_speedup(folder, layout_name(args.node_of_rank))
         if png:
             print(f"# wrote {png}", file=sys.stderr)
     return 0

@@ -6,6 +6,16 @@ shaped by ``tc tbf`` to the rate (NOTES.md, "Slow links on one machine")::
     netns qcb<pid>a                          netns qcb<pid>b
     [ranks 0 .. w/2-1] qva 198.18.0.1/24 <-veth+tbf RATE each way-> qvb 198.18.0.2/24 [ranks w/2 ..]
 
+Nodes: every rank is told its node (``QCOMM_NODE=node<i>``, and torchrun's
+``GROUP_RANK=<i>``), so that qcomm's topology (issue 18) sees what the harness built.
+Without a layout (:func:`node_layout`) each rank on loopback is a node of its own and,
+behind a link, each namespace is one node (its ranks as above). With ``--nodes 2
+--ranks-per-node P`` the ``2 P`` ranks are two nodes of P: a node is one namespace with
+its own hostname (``unshare --uts``), the ranks of a node talk to each other over the
+node's own address (delivered locally, never through the veth's ``tbf``) and to the
+other node over the shaped veth. Only two namespaces are built, so a link takes two
+nodes; on loopback any number of nodes can be simulated (node ids only, no shaping).
+
 Addresses come from 198.18.0.0/15 (RFC 2544, benchmarking) and only these two
 namespaces' own addresses are ever a target; the namespaces have no route out. Both
 namespaces are deleted on exit, on an error, on Ctrl-C and on SIGTERM/SIGHUP (which
@@ -69,9 +79,15 @@ class Host:
     netns: str | None  # namespace name; None is the machine itself (loopback)
     ifname: str  # the interface gloo binds (GLOO_SOCKET_IFNAME)
     addr: str  # this host's address
+    hostname: str | None = None  # set in a UTS namespace of the rank's own (needs root)
 
     def wrap(self, argv: list[str]) -> list[str]:
-        return argv if self.netns is None else ["ip", "netns", "exec", self.netns, *argv]
+        if self.netns is None:
+            return argv
+        if self.hostname and shutil.which("unshare") and shutil.which("hostname"):
+            argv = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
+                    self.hostname, *argv]
+        return ["ip", "netns", "exec", self.netns, *argv]
 
 
 LOOPBACK = Host(None, "lo", "127.0.0.1")
@@ -99,11 +115,14 @@ def _raise_signal(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def link_shaping(rate: str) -> dict:
-    """What a :class:`ShapedLink` of ``rate`` sets up (for the run header)."""
+def link_shaping(rate: str, nodes: list[int] | None = None) -> dict:
+    """What a :class:`ShapedLink` of ``rate`` sets up (for the run header); ``nodes``:
+    each rank's node (namespace a is node 0), default the first half of the ranks on a."""
     _, bits = parse_rate(rate)
+    ranks = "first half on a" if nodes is None else {
+        "ab"[n]: [r for r, m in enumerate(nodes) if m == n] for n in sorted(set(nodes))}
     return {"rate_bit_s": bits, "qdisc": "tbf", "burst_bytes": _burst(bits),
-            "latency": TBF_LATENCY, "addresses": list(ADDRS), "ranks": "first half on a"}
+            "latency": TBF_LATENCY, "addresses": list(ADDRS), "ranks": ranks}
 
 
 def _burst(bits_per_s: int) -> int:
@@ -120,7 +139,8 @@ class ShapedLink:
         self.rate, self.bits_per_s = parsed
         self.burst_bytes = _burst(self.bits_per_s)
         tag = f"qcb{os.getpid()}"
-        self.hosts = (Host(f"{tag}a", "qva", ADDRS[0]), Host(f"{tag}b", "qvb", ADDRS[1]))
+        self.hosts = (Host(f"{tag}a", "qva", ADDRS[0], f"{tag}a"),
+                      Host(f"{tag}b", "qvb", ADDRS[1], f"{tag}b"))
         self._old_handlers: dict = {}
 
     def __enter__(self) -> ShapedLink:
@@ -170,7 +190,75 @@ class ShapedLink:
 
     def host_of(self, rank: int, world: int) -> Host:
         """The first half of the ranks on host a, the rest on host b."""
-        return self.hosts[0] if rank < (world + 1) // 2 else self.hosts[1]
+        return self.hosts[halves(world)[rank]]
+
+
+def halves(world: int) -> list[int]:
+    """Each rank's node when ``world`` ranks are split over two hosts: the first half on
+    node 0 (host a), the rest on node 1."""
+    return [0 if rank < (world + 1) // 2 else 1 for rank in range(world)]
+
+
+def default_nodes(world: int, linked: bool) -> list[int]:
+    """Each rank's node without ``--nodes``: the two halves behind a link, else each
+    rank a node of its own (one-level qcomm groups: what the benchmarks measured before
+    qcomm knew of nodes)."""
+    return halves(world) if linked else list(range(world))
+
+
+RANK_ORDERS = ("node-major", "round-robin")
+
+
+def node_layout(nodes: int | None, ranks_per_node: int | None, world: int | None,
+                order: str = "node-major", *, link: bool = False) -> list[int] | None:
+    """Each rank's node for ``--nodes N --ranks-per-node P`` (world ``N P``):
+    node-major (ranks ``i P .. i P + P - 1`` on node i, torchrun's order) or round-robin
+    (rank r on node ``r % N``); None without ``--nodes`` (the caller's default layout).
+    ValueError on a layout this harness cannot build."""
+    if nodes is None:
+        if ranks_per_node is not None:
+            raise ValueError("--ranks-per-node needs --nodes")
+        if order != "node-major":
+            raise ValueError("--rank-order needs --nodes")
+        return None
+    per = 1 if ranks_per_node is None else ranks_per_node
+    if nodes < 1 or per < 1:
+        raise ValueError(f"--nodes and --ranks-per-node must be >= 1, got {nodes} x {per}")
+    if nodes * per < 2:
+        raise ValueError("a layout needs at least 2 ranks")
+    if link and nodes != 2:
+        raise ValueError(f"--link joins two namespaces: --nodes must be 2 with a link rate, "
+                         f"got {nodes} (on loopback any number of nodes works)")
+    if world is not None and world != nodes * per:
+        raise ValueError(f"--world {world} but --nodes {nodes} x --ranks-per-node {per} is "
+                         f"{nodes * per}: drop --world")
+    if order not in RANK_ORDERS:
+        raise ValueError(f"--rank-order {order!r} not in {RANK_ORDERS}")
+    if order == "node-major":
+        return [r // per for r in range(nodes * per)]
+    return [r % nodes for r in range(nodes * per)]
+
+
+def layout_name(nodes: list[int] | None) -> str | None:
+    """``"2x2"`` for two nodes of two ranks (``"2x2-rr"`` round-robin); None: no layout."""
+    if nodes is None:
+        return None
+    count = len(set(nodes))
+    name = f"{count}x{len(nodes) // count}"
+    return name if nodes == sorted(nodes) else f"{name}-rr"
+
+
+def add_layout_arguments(p) -> None:
+    """``--nodes``, ``--ranks-per-node``, ``--rank-order`` (collectives and train)."""
+    p.add_argument("--nodes", type=int, default=None,
+                   help="simulate N nodes (node ids QCOMM_NODE per rank; with --link each node "
+                        "a namespace: N must be 2); world = N x --ranks-per-node")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks on each node (default 1; needs --nodes); the ranks of a node "
+                        "talk over the node's own address, unshaped")
+    p.add_argument("--rank-order", choices=RANK_ORDERS, default="node-major",
+                   help="node-major: ranks 0..P-1 on node 0 (torchrun's order); round-robin: "
+                        "rank r on node r %% N")
 
 
 def free_port() -> int:
@@ -201,14 +289,23 @@ def _tail(path: Path, n: int = 4000) -> str:
 
 
 def run_ranks(argv: list[str], world: int, *, link: ShapedLink | None = None,
-              timeout_s: float = 1800, env: dict | None = None) -> None:
+              nodes: list[int] | None = None, timeout_s: float = 1800,
+              env: dict | None = None) -> None:
     """Run ``python <argv...>`` as ``world`` ranks (env RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT, GLOO_SOCKET_IFNAME); raise on the first failing rank or at the timeout.
+    MASTER_PORT, GLOO_SOCKET_IFNAME, QCOMM_NODE, GROUP_RANK); raise on the first failing
+    rank or at the timeout. ``nodes``: each rank's node (behind a link node i is host i);
+    default one node per rank on loopback, the two halves behind a link.
 
     Rank 0's stderr (progress) goes to this process's stderr; the other ranks' output is
     kept in files and shown when a rank fails.
     """
-    master = link.hosts[0] if link else LOOPBACK
+    if nodes is None:
+        nodes = default_nodes(world, link is not None)
+    if len(nodes) != world:
+        raise ValueError(f"{len(nodes)} node ids for {world} ranks")
+    if link and not set(nodes) <= {0, 1}:
+        raise ValueError(f"a link has two hosts (nodes 0 and 1), got nodes {sorted(set(nodes))}")
+    master = link.hosts[nodes[0]] if link else LOOPBACK
     port = 29511 if link else free_port()  # a fresh namespace has every port free
     cpus = sorted(os.sched_getaffinity(0))
     procs: list[subprocess.Popen] = []
@@ -216,13 +313,18 @@ def run_ranks(argv: list[str], world: int, *, link: ShapedLink | None = None,
     with tempfile.TemporaryDirectory(prefix="qcomm-bench-") as tmp:
         try:
             for rank in range(world):
-                host = link.host_of(rank, world) if link else LOOPBACK
-                # Each rank its own slice of the cores, as on separate hosts.
-                mine = cpus[rank * len(cpus) // world:(rank + 1) * len(cpus) // world] or cpus
+                host = link.hosts[nodes[rank]] if link else LOOPBACK
+                # Each rank its own slice of the cores, as on separate hosts (more ranks
+                # than cores: neighbouring ranks share one).
+                mine = (cpus[rank * len(cpus) // world:(rank + 1) * len(cpus) // world]
+                        or [cpus[rank * len(cpus) // world]])
+                # LOCAL_RANK stays the rank: the GPU index on this one machine.
                 rank_env = dict(os.environ, **(env or {}), RANK=str(rank),
                                 LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                                 MASTER_ADDR=master.addr, MASTER_PORT=str(port),
                                 GLOO_SOCKET_IFNAME=host.ifname,
+                                QCOMM_NODE=f"node{nodes[rank]}",
+                                GROUP_RANK=str(nodes[rank]),
                                 QCOMM_BENCH_CPUS=",".join(map(str, mine)),
                                 OMP_NUM_THREADS=str(len(mine)))
                 if link:  # NCCL too over the shaped veth: sockets only, no shm/P2P/IB

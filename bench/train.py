@@ -12,7 +12,31 @@ the training windows, the same for every variant (paired runs).
 
 Variants (``--variants``): ``fp32`` (all collectives exact through the inner gloo: the
 baseline) and ``wAgB[-nuq|-maxnorm]``: A-bit weights (all-gather) and B-bit gradients
-(reduce-scatter), e.g. ``w8g8``, ``w4g8``, ``w4g4-nuq``.
+(reduce-scatter), e.g. ``w8g8``, ``w4g8``, ``w4g4-nuq``; ``-flat`` / ``-auto`` set
+``QCOMM_TOPOLOGY`` (one-level collectives, or two-level ones: exact inside a node,
+compressed across; without either, qcomm's default, auto).
+
+Modes (``--mode``, comma list, each mode runs every variant): ``fsdp2`` (full shard over
+all ranks: ``fully_shard`` per block and at the root) and ``hsdp`` (a 2-D mesh
+``(replicate, shard)`` = (nodes, ranks per node): shard inside a node, replicate across
+nodes, ``fully_shard(..., mesh=mesh)``; the mesh's groups are qcomm groups, so FSDP2's
+reduce-scatter and all-gather run on the node's group and the replicate all-reduce on
+the group of equal local ranks).
+
+Nodes (issue 18): every rank is told its node (``QCOMM_NODE``); without ``--nodes``
+each loopback rank is a node and each ``--link`` host one. ``--nodes 2
+--ranks-per-node P --link RATE`` runs two nodes of P ranks, each a network namespace
+(ranks of a node unshaped, the nodes over the shaped veth); the default variants are
+then ``fp32,w8g8-flat,w8g8-auto``::
+
+    python -m bench train --nodes 2 --ranks-per-node 2 --link 100mbit --mode fsdp2,hsdp
+
+Per run, besides the below: bytes per step that crossed to other nodes and stayed
+inside the node (qcomm.stats' ``inter_node_bytes`` / ``intra_node_bytes`` over every
+group the run used, averaged over the ranks); the summary's ``vs_flat`` is an auto
+variant's step time against its flat twin's, and issue 18's FSDP2 target (auto faster
+than flat, both faster than fp32, held-out loss within the noise of fp32) is printed
+per mode (:func:`topology_lines`).
 
 Ranks: started here (``--world``, loopback or ``--link``), or torchrun's (``torchrun
 --nproc-per-node 2 -m bench train``: every run in those processes, one process group
@@ -51,9 +75,22 @@ import torch.nn.functional as F
 
 from . import common
 from .common import Column
-from .link import LinkError, ShapedLink, parse_rate, pin_this_rank, run_ranks
+from .link import (
+    LinkError,
+    ShapedLink,
+    add_layout_arguments,
+    default_nodes,
+    layout_name,
+    node_layout,
+    parse_rate,
+    pin_this_rank,
+    run_ranks,
+)
 
+VARIANTS = ["fp32", "w8g8", "w4g8", "w4g4", "w4g4-nuq", "w4g4-wn-wb128"]  # the default
 HELD_OUT = 0.05  # the last 5% of files (sorted order) are the evaluation split
+MODES = ("fsdp2", "hsdp")
+NODE_VARIANTS = ["fp32", "w8g8-flat", "w8g8-auto"]  # the default with --nodes
 INIT_SEED = 1234  # every variant and data seed starts from the same weights
 
 
@@ -167,7 +204,8 @@ def parse_variant(name: str) -> dict:
     nearest; ``wbN`` / ``gbN`` their bucket size N; ``wd`` weights sent as differences
     (:func:`qcomm.fsdp.quantize_weight_deltas`) and ``ge`` gradients with error feedback
     (:func:`qcomm.fsdp.feed_back_gradient_errors`): these two the worker reads from the
-    name (:data:`STATEFUL`), not from the environment.
+    name (:data:`STATEFUL`), not from the environment; ``flat`` / ``auto`` the
+    topology (``QCOMM_TOPOLOGY``).
     """
     if name == "fp32":
         return {"QCOMM_AG_BITS": "off", "QCOMM_RS_BITS": "off", "QCOMM_AR_BITS": "off"}
@@ -188,9 +226,11 @@ def parse_variant(name: str) -> dict:
             env["QCOMM_AG_BUCKET"] = opt[2:]
         elif opt.startswith("gb") and opt[2:].isdigit():
             env["QCOMM_RS_BUCKET"] = opt[2:]
+        elif opt in ("flat", "auto"):
+            env["QCOMM_TOPOLOGY"] = opt
         elif opt not in STATEFUL:
             raise ValueError(f"bad variant {name!r}: option {opt!r} "
-                             "(nuq, maxnorm, wn, gn, wbN, gbN, wd, ge)")
+                             "(nuq, maxnorm, wn, gn, wbN, gbN, wd, ge, flat, auto)")
     return env
 
 
@@ -235,9 +275,13 @@ def worker(spec: dict) -> dict:
     torch.manual_seed(INIT_SEED)
     model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
+    mesh, groups = None, [dist.group.WORLD]
+    if spec.get("mode", "fsdp2") == "hsdp":
+        mesh = _hsdp_mesh(spec.get("mesh"), world)
+        groups += [mesh.get_group("replicate"), mesh.get_group("shard")]
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     for opt in spec["name"].split("-")[1:]:
         if opt in STATEFUL:
             import qcomm.fsdp
@@ -263,8 +307,11 @@ def worker(spec: dict) -> dict:
         return (total[0] / total[1]).item()
 
     curve, step_times = [], []
-    group = dist.group.WORLD
-    qcomm.stats(group, reset=True)
+
+    def read_stats(reset: bool = False) -> list:
+        return [s for g in groups for s in qcomm.stats(g, reset=reset).values()]
+
+    read_stats(reset=True)
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, spec["lr"], spec["warmup"])
@@ -277,18 +324,25 @@ def worker(spec: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         step_times.append(time.perf_counter() - t)
         if step == spec["warmup_steps"] - 1:
-            qcomm.stats(group, reset=True)  # bytes per step counted after warm-up
+            read_stats(reset=True)  # bytes per step counted after warm-up
         if (step + 1) % spec["eval_every"] == 0 or step + 1 == steps:
             curve.append((step + 1, evaluate(), loss.item()))
             if rank == 0:
-                print(f"# {spec['name']} seed {spec['data_seed']}: step {step + 1}/{steps} "
+                print(f"# {spec.get('mode', 'fsdp2')} {spec['name']} seed {spec['data_seed']}: "
+                      f"step {step + 1}/{steps} "
                       f"train {loss.item():.4f} eval {curve[-1][1]:.4f} "
                       f"({statistics.median(step_times[-10:]):.3f} s/step)",
                       file=sys.stderr, flush=True)
-    stats = qcomm.stats(group)
-    counted = steps - spec["warmup_steps"]
-    wire = sum(s.wire_bytes for s in stats.values()) / max(1, counted)
-    logical = sum(s.logical_bytes for s in stats.values()) / max(1, counted)
+    stats = read_stats()
+    counted = max(1, steps - spec["warmup_steps"])
+    wire = sum(s.wire_bytes for s in stats) / counted
+    logical = sum(s.logical_bytes for s in stats) / counted
+    # by node, averaged over the ranks (without node counters: all as inter)
+    by_node = torch.tensor([sum(getattr(s, "intra_node_bytes", 0) for s in stats),
+                            sum(getattr(s, "inter_node_bytes", s.wire_bytes) for s in stats)],
+                           dtype=torch.float64) / counted
+    dist.all_reduce(by_node)  # float64: exact
+    intra, inter = (by_node / world).tolist()
     dist.barrier()
     t_compute = _time_local_step(cfg, B, reps=5)  # both ranks at once, as in training
     timed = step_times[spec["warmup_steps"]:] or step_times
@@ -297,12 +351,28 @@ def worker(spec: dict) -> dict:
            "final_eval": curve[-1][1], "curve": curve, "step_s": t_step,
            "tokens_per_s": world * B * T / t_step, "compute_s": t_compute,
            "comm_share": max(0.0, 1 - t_compute / t_step), "wire_bytes_per_step": wire,
-           "logical_bytes_per_step": logical, "link": spec["link"]}
+           "logical_bytes_per_step": logical, "inter_bytes_per_step": inter,
+           "intra_bytes_per_step": intra, "mode": spec.get("mode", "fsdp2"),
+           "layout": spec.get("layout"), "link": spec["link"]}
     if rank == 0 and spec.get("result"):
         Path(spec["result"]).write_text(json.dumps(row))
     dist.barrier()
     dist.destroy_process_group()
     return row
+
+
+def _hsdp_mesh(nodes: list[list[int]] | None, world: int):
+    """HSDP's ``(replicate, shard)`` mesh: row i the ranks of node i (``nodes``), or under
+    torchrun ``(world / LOCAL_WORLD_SIZE, LOCAL_WORLD_SIZE)`` in torchrun's node-major
+    order (what ``init_device_mesh("cpu", (N, P), ...)`` builds)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if nodes is None:
+        per = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if world % per:
+            raise ValueError(f"--mode hsdp: {world} ranks do not split into nodes of {per}")
+        nodes = torch.arange(world).view(world // per, per).tolist()
+    return DeviceMesh("cpu", torch.tensor(nodes), mesh_dim_names=("replicate", "shard"))
 
 
 # --------------------------------------------------------------------------- driver
@@ -348,9 +418,10 @@ def _environ(changes: dict):
                 os.environ[k] = v
 
 
-def run_variant(args, name: str, seed: int, link) -> dict:
+def run_variant(args, name: str, seed: int, link, mode: str = "fsdp2") -> dict:
     with tempfile.TemporaryDirectory(prefix="qcomm-train-") as tmp:
-        spec = {"name": name, "data_seed": seed, "model": asdict(args.model),
+        spec = {"name": name, "data_seed": seed, "model": asdict(args.model), "mode": mode,
+                "mesh": args.mesh, "layout": args.layout,
                 "batch": args.batch, "steps": args.steps, "lr": args.lr,
                 "warmup": max(1, args.steps // 20), "warmup_steps": min(5, args.steps - 1),
                 "eval_every": args.eval_every, "eval_windows": args.eval_windows,
@@ -367,12 +438,38 @@ def run_variant(args, name: str, seed: int, link) -> dict:
                    PYTHONPATH=os.pathsep.join(filter(None, [str(common.ROOT),
                                                             os.environ.get("PYTHONPATH")])))
         run_ranks(["-m", "bench.train", "--worker", str(spec_path)], args.world,
-                  link=link, timeout_s=args.timeout, env=env)
+                  link=link, nodes=args.node_of_rank, timeout_s=args.timeout, env=env)
         return json.loads(Path(spec["result"]).read_text())
 
 
 def summarize(rows: list[dict]) -> tuple[list[dict], list[str]]:
-    """One summary row per variant: means over seeds, paired differences vs fp32."""
+    """One summary row per mode and variant: means over seeds, paired differences vs the
+    mode's fp32, auto's ``vs_flat``; with the lines to print."""
+    modes = {}
+    for r in rows:
+        modes.setdefault(r.get("mode", "fsdp2"), []).append(r)
+    out, lines = [], []
+    for mode, rs in modes.items():
+        summary, said = _summarize_mode(rs)
+        for s in summary:
+            s["mode"] = mode
+            flat = next((f for f in summary if f["variant"] == flat_twin(s["variant"])), None)
+            if flat:
+                s["vs_flat"] = flat["step_s"] / s["step_s"]
+        out += summary
+        lines += [f"# {mode}: {line[2:]}" if len(modes) > 1 else line for line in said]
+    return out, lines
+
+
+def flat_twin(name: str) -> str | None:
+    """``"w8g8-auto"`` -> ``"w8g8-flat"``; None for a variant without ``-auto``."""
+    head, *options = name.split("-")
+    if "auto" not in options:
+        return None
+    return "-".join([head, *("flat" if o == "auto" else o for o in options)])
+
+
+def _summarize_mode(rows: list[dict]) -> tuple[list[dict], list[str]]:
     by = {}
     for r in rows:
         by.setdefault(r["variant"], []).append(r)
@@ -390,6 +487,10 @@ def summarize(rows: list[dict]) -> tuple[list[dict], list[str]]:
              "comm_share": statistics.median(r["comm_share"] for r in rs),
              "wire_bytes_per_step": statistics.median(r["wire_bytes_per_step"] for r in rs)}
         s["wire_mb_per_step"] = s["wire_bytes_per_step"] / 1e6
+        for where in ("inter", "intra"):  # runs from before the node counters lack them
+            got = [r[f"{where}_bytes_per_step"] for r in rs if f"{where}_bytes_per_step" in r]
+            if got:
+                s[f"{where}_mb_per_step"] = statistics.median(got) / 1e6
         paired = [100 * (r["final_eval"] / base[r["data_seed"]]["final_eval"] - 1)
                   for r in rs if r["data_seed"] in base]
         if paired and name != "fp32":
@@ -412,17 +513,63 @@ def summarize(rows: list[dict]) -> tuple[list[dict], list[str]]:
     return out, lines
 
 
+def topology_lines(summary: list[dict], link: str, layout: str | None) -> list[str]:
+    """Issue 18's training target per mode and ``-auto`` variant with a ``-flat`` twin
+    and an fp32 baseline: auto faster than flat, both faster than fp32, held-out loss
+    within the noise of fp32 (not significant at 95% over paired seeds). Judged for
+    FSDP2 at P >= 2 ranks per node on a shaped link (HSDP: the same line, no target)."""
+    lines = []
+    for auto in summary:
+        mode = auto.get("mode", "fsdp2")
+        same = {s["variant"]: s for s in summary if s.get("mode", "fsdp2") == mode}
+        flat, base = same.get(flat_twin(auto["variant"]) or ""), same.get("fp32")
+        if flat is None or base is None:
+            continue
+        per = int(layout.split("x")[1].split("-")[0]) if layout else 1
+        why = ("not judged on loopback" if link in ("loopback", "torchrun") else
+               "not judged: needs --nodes 2 --ranks-per-node >= 2" if per < 2 else None)
+        if "significant_95" in auto:
+            noise = "met" if not auto["significant_95"] else "short"
+        else:
+            noise = "not judged: one seed (--seeds 0,1,2)"
+        verdicts = (["met" if auto["step_s"] < flat["step_s"] else "short",
+                     "met" if max(auto["step_s"], flat["step_s"]) < base["step_s"] else "short",
+                     noise])
+        if mode != "fsdp2" or why:
+            verdicts = [None] * 3
+
+        def judged(text: str, verdict: str | None) -> str:
+            return f"{text}: {verdict}" if verdict else f"{text}?"
+
+        lines.append(
+            f"# {mode} {auto['variant']}: step {auto['step_s']:.3f} s vs {flat['variant']} "
+            f"{flat['step_s']:.3f} s ({auto['vs_flat']:.2f}x; "
+            f"{judged('auto faster', verdicts[0])}), fp32 {base['step_s']:.3f} s "
+            f"({judged('both faster', verdicts[1])}); held-out loss vs fp32 "
+            f"{auto.get('paired_diff_pct', float('nan')):+.2f}% "
+            f"({judged('within noise', verdicts[2])}); inter-node "
+            f"{auto.get('inter_mb_per_step', float('nan')):.2f} vs "
+            f"{flat.get('inter_mb_per_step', float('nan')):.2f} vs "
+            f"{base.get('inter_mb_per_step', float('nan')):.2f} MB per step and rank"
+            + (" (no target: issue 18 sets FSDP2's)" if mode != "fsdp2" else
+               f" ({why})" if why else ""))
+    return lines
+
+
 # Two-sided 95% Student t critical values for 1..10 degrees of freedom (then ~normal).
 T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 
 SUMMARY_COLUMNS = [
-    Column("variant", "variant"), Column("runs", "runs"),
+    Column("mode", "mode"), Column("variant", "variant"), Column("runs", "runs"),
     Column("final_eval_mean", "eval_loss", "{:.4f}"), Column("final_eval_sd", "sd", "{:.4f}"),
     Column("paired_diff_pct", "vs_fp32_%", "{:+.2f}"), Column("paired_se_pct", "se_%", "{:.2f}"),
     Column("significant_95", "sig95"),
     Column("step_s", "step_s", "{:.3f}"), Column("tokens_per_s", "tok/s", "{:.0f}"),
     Column("comm_share", "comm", "{:.0%}"),
     Column("wire_mb_per_step", "wire_MB", "{:.3f}"),
+    Column("inter_mb_per_step", "inter_MB", "{:.3f}"),
+    Column("intra_mb_per_step", "intra_MB", "{:.3f}"),
+    Column("vs_flat", "vs_flat", "{:.2f}"),
     Column("speedup", "speedup", "{:.2f}"), Column("amdahl_bound", "bound", "{:.2f}"),
     Column("of_bound", "of_bound", "{:.0%}"),
 ]
@@ -436,23 +583,29 @@ def plot(folder: Path, stem: str, rows: list[dict], summary: list[dict]) -> Path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 5))
+    by_node = any("inter_mb_per_step" in s for s in summary)
+    fig, (a, *bars) = plt.subplots(1, 3 if by_node else 2, figsize=(18 if by_node else 12, 5))
     colors = plt.get_cmap("tab20").colors
-    for i, s in enumerate(summary):  # one line per variant: the mean over its seeds
-        runs = [r for r in rows if r["variant"] == s["variant"]]
+    several = len({s.get("mode", "fsdp2") for s in summary}) > 1
+    names = [f"{s['mode']} {s['variant']}" if several else s["variant"] for s in summary]
+    for i, s in enumerate(summary):  # one line per mode and variant: the mean over seeds
+        runs = [r for r in rows if r["variant"] == s["variant"]
+                and r.get("mode", "fsdp2") == s.get("mode", "fsdp2")]
         steps = [c[0] for c in runs[0]["curve"]]
         mean = [statistics.fmean(r["curve"][k][1] for r in runs) for k in range(len(steps))]
         a.plot(steps, mean, linewidth=1.2, color=colors[i % len(colors)],
                linestyle="-" if i < len(colors) else "--",
-               label=f"{s['variant']} (n={len(runs)})")
+               label=f"{names[i]} (n={len(runs)})")
     a.set_xlabel("step")
     a.set_ylabel("held-out loss (nats/byte), mean over seeds")
     a.grid(True, alpha=0.3)
     a.legend(fontsize=7)
-    names = [s["variant"] for s in summary]
-    b.bar(names, [s["step_s"] for s in summary])
-    b.set_ylabel("median step time (s)")
-    b.set_xticks(range(len(names)), names, rotation=40, ha="right", fontsize=8)
+    panels = [("step_s", "median step time (s)"),
+              ("inter_mb_per_step", "bytes to other nodes per step and rank (MB)")]
+    for ax, (key, label) in zip(bars, panels, strict=False):
+        ax.bar(names, [s.get(key, 0) for s in summary])
+        ax.set_ylabel(label)
+        ax.set_xticks(range(len(names)), names, rotation=40, ha="right", fontsize=8)
     fig.tight_layout()
     path = folder / f"{stem}.png"
     fig.savefig(path, dpi=110)
@@ -467,8 +620,14 @@ def parse_ints(text: str) -> list[int]:
 def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--variants", type=common.arg(lambda s: [v for v in s.split(",") if v and
                                                            parse_variant(v) is not None]),
-                   default=["fp32", "w8g8", "w4g8", "w4g4", "w4g4-nuq", "w4g4-wn-wb128"],
-                   help="fp32 first (the baseline); wAgB[-nuq|-maxnorm|-wn|-gn|-wbN|-gbN|-wd|-ge]")
+                   default=None,
+                   help="fp32 first (the baseline); wAgB[-nuq|-maxnorm|-wn|-gn|-wbN|-gbN|-wd|-ge"
+                        "|-flat|-auto] (default " + ",".join(VARIANTS) + "; with --nodes "
+                        + ",".join(NODE_VARIANTS) + ")")
+    p.add_argument("--mode", type=common.arg(lambda s: common.parse_list(s, MODES, "--mode")),
+                   default=["fsdp2"],
+                   help="comma list: fsdp2 (full shard over all ranks), hsdp (replicate "
+                        "across nodes, shard inside a node)")
     p.add_argument("--seeds", type=common.arg(parse_ints), default=[0],
                    help="data-order seeds (comma list); each variant runs every seed")
     p.add_argument("--steps", type=int, default=300)
@@ -480,9 +639,11 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-windows", type=int, default=128)
-    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--world", type=int, default=None,
+                   help="ranks (default 2; with --nodes: nodes x ranks per node)")
     p.add_argument("--link", default=None,
                    help="link rate (100mbit, 1gbit): the ranks as two hosts behind it")
+    add_layout_arguments(p)
     p.add_argument("--limit-bytes", type=int, default=None,
                    help="read only this many training bytes (tests)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run, all in")
@@ -492,18 +653,45 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
                         "model and link; e.g. one more variant against the same fp32 seeds)")
 
 
+def resolve(args, parsed) -> str | None:
+    """Fill in the layout (``args.node_of_rank``, ``args.mesh``: HSDP's rows of ranks by
+    node), world and variants; the error text of a bad combination, else None."""
+    try:
+        args.node_of_rank = node_layout(args.nodes, args.ranks_per_node, args.world,
+                                        args.rank_order, link=parsed is not None)
+    except ValueError as err:
+        return str(err)
+    args.layout = layout_name(args.node_of_rank)
+    if args.variants is None:
+        args.variants = list(NODE_VARIANTS if args.node_of_rank else VARIANTS)
+    if under_torchrun():
+        if parsed or args.node_of_rank:
+            return ("under torchrun the nodes and the link are torchrun's (real hosts and "
+                    "network); drop --link and --nodes")
+        args.world, args.link_name, args.mesh = int(os.environ["WORLD_SIZE"]), "torchrun", None
+        return None
+    if args.node_of_rank is not None:
+        args.world = len(args.node_of_rank)
+    args.world = args.world or 2
+    nodes = args.node_of_rank or default_nodes(args.world, parsed is not None)
+    args.mesh = [[r for r, n in enumerate(nodes) if n == node] for node in sorted(set(nodes))]
+    if "hsdp" in args.mode and len({len(row) for row in args.mesh}) > 1:
+        return (f"--mode hsdp needs nodes of equal size, got {[len(r) for r in args.mesh]} "
+                "ranks: use --nodes N --ranks-per-node P")
+    return None
+
+
 def main(args) -> int:
     args.model = GPTConfig(args.layers, args.width, args.heads, args.seq)
     parsed = parse_rate(args.link)
     args.link_name = parsed[0] if parsed else "loopback"
     lead = True  # the process that prints and writes the results
     args.runs_started = 0
+    error = resolve(args, parsed)
+    if error:
+        print(f"python -m bench train: {error}", file=sys.stderr)
+        return 2
     if under_torchrun():
-        if parsed:
-            print("python -m bench train: under torchrun the link is the real network "
-                  "between torchrun's ranks; drop --link", file=sys.stderr)
-            return 2
-        args.world, args.link_name = int(os.environ["WORLD_SIZE"]), "torchrun"
         lead = os.environ["RANK"] == "0"
     with contextlib.ExitStack() as stack:
         if not lead:  # the other ranks run the same steps silently
@@ -517,19 +705,22 @@ def _main(args, parsed, lead: bool) -> int:
                                command=args.command)
     header["train"] = {"model": asdict(args.model), "batch": args.batch, "steps": args.steps,
                        "lr": args.lr, "world": args.world, "seeds": args.seeds,
-                       "variants": args.variants}
+                       "variants": args.variants, "modes": args.mode}
+    header["layout"], header["mesh"] = args.layout, args.mesh  # mesh: ranks by node
     print(common.format_header(header), flush=True)
     rows = []
     if args.add_to:  # earlier runs of the same set-up; the pairs run now replace theirs
         earlier = json.loads(Path(args.add_to).read_text())
-        now = {(v, s) for v in args.variants for s in args.seeds}
-        rows = [r for r in earlier["runs"] if (r["variant"], r["data_seed"]) not in now]
+        now = {(m, v, s) for m in args.mode for v in args.variants for s in args.seeds}
+        rows = [r for r in earlier["runs"]
+                if (r.get("mode", "fsdp2"), r["variant"], r["data_seed"]) not in now]
         header["added_to"] = earlier["header"]
     try:
         with ShapedLink(args.link) if parsed else contextlib.nullcontext() as link:
             for seed in args.seeds:
-                for name in args.variants:
-                    rows.append(run_variant(args, name, seed, link))
+                for mode in args.mode:
+                    for name in args.variants:
+                        rows.append(run_variant(args, name, seed, link, mode))
     except LinkError as err:
         print(f"python -m bench train: {err}", file=sys.stderr)
         return 2
@@ -537,9 +728,9 @@ def _main(args, parsed, lead: bool) -> int:
         return 0
     summary, lines = summarize(rows)
     folder = common.results_dir(args.out, header)
-    stem = f"train-{args.link_name}"
+    stem = f"train-{args.link_name}" + (f"-{args.layout}" if args.layout else "")
     print(common.format_table(SUMMARY_COLUMNS, summary))
-    for line in lines:
+    for line in lines + topology_lines(summary, args.link_name, args.layout):
         print(line)
     common.write_results(folder, stem, header, SUMMARY_COLUMNS, summary)
     (folder / f"{stem}-runs.json").write_text(json.dumps({"header": header, "runs": rows},

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import qcomm
-from bench import collectives, common, link
-from bench.__main__ import main
+from bench import collectives, common, link, train
+from bench.__main__ import main, parser
 
 ROOT_AND_IP = os.geteuid() == 0 and shutil.which("ip") is not None
 
@@ -119,7 +119,8 @@ def _check_collectives(rows, tag, variants, colls=collectives.COLLECTIVES):
         else:
             assert r["compressed"] and r["ratio"] > 1
             assert 0 < r["rel_err"] < 1.5
-            assert r["quant_us"] > 0 and r["xfer_us"] > 0 and r["dequant_us"] > 0
+            if r.get("topology") != "auto":  # phases: the one-level algorithms only
+                assert r["quant_us"] > 0 and r["xfer_us"] > 0 and r["dequant_us"] > 0
     assert {r["variant"] for r in rows} == set(variants)
 
 
@@ -155,6 +156,81 @@ def test_collectives_shaped_link(tmp_path):
     assert (tmp_path / "speedup-vs-link.png").exists() == common.have_matplotlib()
 
 
+def test_node_layout():
+    assert link.node_layout(None, None, 4) is None  # no --nodes: the caller's default
+    assert link.node_layout(2, 2, None) == [0, 0, 1, 1]
+    assert link.node_layout(2, 2, 4, "round-robin") == [0, 1, 0, 1]
+    assert link.node_layout(3, 2, None) == [0, 0, 1, 1, 2, 2]  # loopback: any count
+    assert link.node_layout(2, None, None, link=True) == [0, 1]  # one rank per node
+    assert link.layout_name([0, 0, 1, 1]) == "2x2" and link.layout_name([0, 1, 0, 1]) == "2x2-rr"
+    assert link.layout_name(None) is None
+    assert link.default_nodes(4, True) == [0, 0, 1, 1] and link.default_nodes(3, False) == [0, 1, 2]
+    for args, kw, match in (((3, 2, None), {"link": True}, "--nodes must be 2"),
+                            ((2, 2, 8), {}, "--world 8"), ((None, 2, None), {}, "needs --nodes"),
+                            ((1, 1, None), {}, "at least 2 ranks"), ((0, 2, None), {}, ">= 1")):
+        with pytest.raises(ValueError, match=match):
+            link.node_layout(*args, **kw)
+    shaped = link.ShapedLink("1gbit")
+    assert [h.hostname for h in shaped.hosts] == [h.netns for h in shaped.hosts]
+    assert shaped.hosts[0].wrap(["python"])[:5] == ["ip", "netns", "exec",
+                                                     shaped.hosts[0].netns, "unshare"]
+    assert link.link_shaping("1gbit", [0, 0, 1, 1])["ranks"] == {"a": [0, 1], "b": [2, 3]}
+
+
+def test_node_flags(capsys):
+    assert collectives.parse_variant("qcomm8-auto") == (8, "auto")
+    assert collectives.parse_variant("qcomm4") == (4, None)
+    assert collectives.parse_variant("exact") == (None, None)
+    assert collectives.parse_variants("all") == list(collectives.VARIANTS)
+    for bad in ("qcomm9", "qcomm8-tree", "fp32"):
+        with pytest.raises(ValueError, match="variant"):
+            collectives.parse_variant(bad)
+    args = parser().parse_args(["collectives", "--nodes", "2", "--ranks-per-node", "2",
+                                "--link", "100mbit", "--rounds", "3"])
+    assert collectives.resolve(args) is None
+    assert args.world == 4 and args.node_of_rank == [0, 0, 1, 1]
+    assert args.variants == list(collectives.NODE_VARIANTS) and args.rounds == 3
+    args = parser().parse_args(["collectives"])
+    assert collectives.resolve(args) is None and args.node_of_rank is None
+    assert args.variants == list(collectives.VARIANTS) and args.world >= 2
+    args = parser().parse_args(["train", "--nodes", "2", "--ranks-per-node", "2",
+                                "--mode", "fsdp2,hsdp", "--rank-order", "round-robin"])
+    assert train.resolve(args, None) is None and args.mode == ["fsdp2", "hsdp"]
+    assert args.mesh == [[0, 2], [1, 3]] and args.layout == "2x2-rr"
+    assert args.variants == train.NODE_VARIANTS
+    assert train.parse_variant("w8g8-auto")["QCOMM_TOPOLOGY"] == "auto"
+    assert train.parse_variant("w4g8-nuq-flat")["QCOMM_TOPOLOGY"] == "flat"
+    assert train.flat_twin("w8g8-nuq-auto") == "w8g8-nuq-flat" and train.flat_twin("w8g8") is None
+    # refused with a clear message, before anything starts
+    assert main(["collectives", "--nodes", "3", "--link", "100mbit"]) == 2
+    assert "--nodes must be 2" in capsys.readouterr().err
+    assert main(["train", "--nodes", "2", "--world", "3"]) == 2
+    assert "drop --world" in capsys.readouterr().err
+    assert main(["train", "--world", "3", "--link", "1gbit", "--mode", "hsdp"]) == 2
+    assert "nodes of equal size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--mode", "ddp"])
+
+
+def test_topology_lines():
+    def row(variant, t, err, inter, size=32 << 20, link_="100mbit"):
+        bits, topology = collectives.parse_variant(variant)
+        return {"collective": "reduce_scatter", "variant": variant, "size": size,
+                "rank_bytes": size // 4, "bits": bits, "topology": topology, "time_us": t,
+                "rel_err": err, "inter": inter, "link": link_, "layout": "2x2"}
+
+    lines = collectives.topology_lines([row("qcomm8-flat", 2000, 0.010, 4e6),
+                                        row("qcomm8-auto", 1000, 0.0101, 2e6)])
+    assert len(lines) == 1 and "2.00x faster (target >= 1.6x: met)" in lines[0]
+    assert "(no worse: met)" in lines[0]
+    short = collectives.topology_lines([row("qcomm8-flat", 1500, 0.010, 4e6),
+                                        row("qcomm8-auto", 1000, 0.012, 2e6)])[0]
+    assert "target >= 1.6x: short" in short and "(no worse: short)" in short
+    small = collectives.topology_lines([row("qcomm8-flat", 2000, 0.01, 4e6, size=1 << 20),
+                                        row("qcomm8-auto", 1000, 0.01, 2e6, size=1 << 20)])[0]
+    assert "not judged under 8.0 MiB per rank" in small
+
+
 @pytest.mark.skipif(not common.have_matplotlib(), reason="plots need matplotlib")
 def test_speedup_plot(tmp_path):
     header = common.run_header("collectives", device="cpu")
@@ -166,6 +242,89 @@ def test_speedup_plot(tmp_path):
                              collectives.columns(False), rows)
     assert collectives.plot_speedup(tmp_path) == tmp_path / "speedup-vs-link.png"
     assert (tmp_path / "speedup-vs-link.png").stat().st_size > 0
+
+
+def _check_nodes(rows, header):
+    """Bytes by node add up; auto sends half flat's across at 2 x 2; hostnames by node."""
+    hosts = header["ranks"]
+    assert [h["node"] for h in hosts] == ["node0", "node0", "node1", "node1"]
+    by = {(r["collective"], r["variant"]): r for r in rows}
+    for (coll, variant), r in by.items():
+        assert r["intra"] + r["inter"] == pytest.approx(r["wire"])
+        assert r["layout"] == "2x2" and r["world"] == 4 and r["rounds"] == 2
+        if variant == "exact":  # 3 peers, one on the node
+            assert r["intra"] == pytest.approx(r["wire"] / 3)
+        if variant == "qcomm8-auto":
+            flat = by[(coll, "qcomm8-flat")]
+            assert r["inter"] < 0.6 * flat["inter"] and r["vs_flat"] > 0
+            assert r["rel_err"] < 1.5 * flat["rel_err"]
+            assert "quant_us" not in r and "quant_us" in flat  # phases: one-level only
+    return hosts
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not ROOT_AND_IP, reason="network namespaces need root and iproute2")
+def test_collectives_nodes_shaped_link(tmp_path, capsys):
+    """2 nodes x 2 ranks behind a shaped link: each node a namespace with its hostname."""
+    before = _netns()
+    assert main(["collectives", "--nodes", "2", "--ranks-per-node", "2", "--link", "1gbit",
+                 "--sizes", "2^14", "--iters", "1", "--warmup", "1", "--rounds", "2",
+                 "--collectives", "all_gather,reduce_scatter", "--timeout", "120",
+                 "--out", str(tmp_path)]) == 0
+    assert _netns() == before  # torn down
+    header, rows = _load(tmp_path / "collectives-1gbit-2x2.json")
+    assert header["layout"] == "2x2" and header["link_shaping"]["ranks"]["b"] == [2, 3]
+    _check_collectives(rows, "1gbit", collectives.NODE_VARIANTS,
+                       ["all_gather", "reduce_scatter"])
+    hosts = _check_nodes(rows, header)
+    names = [h["hostname"] for h in hosts]
+    if shutil.which("unshare"):  # a UTS namespace per rank, the node's name in each
+        assert names[0] == names[1] != names[2] == names[3]
+    out = capsys.readouterr().out
+    assert "qcomm8-auto vs qcomm8-flat" in out and "vs_flat" in out
+
+
+@pytest.mark.slow
+def test_collectives_nodes_loopback(tmp_path):
+    """The same layout on loopback (node ids only), round-robin rank order."""
+    assert main(["collectives", "--nodes", "2", "--ranks-per-node", "2", "--sizes", "2^14",
+                 "--iters", "1", "--warmup", "1", "--collectives", "all_reduce",
+                 "--rank-order", "round-robin", "--variants", "exact,qcomm8-flat,qcomm8-auto",
+                 "--timeout", "120", "--out", str(tmp_path)]) == 0
+    header, rows = _load(tmp_path / "collectives-loopback-2x2-rr.json")
+    assert [h["node"] for h in header["ranks"]] == ["node0", "node1", "node0", "node1"]
+    _check_collectives(rows, "loopback", collectives.NODE_VARIANTS, ["all_reduce"])
+    by = {r["variant"]: r for r in rows}
+    assert by["qcomm8-auto"]["inter"] < 0.6 * by["qcomm8-flat"]["inter"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not ROOT_AND_IP, reason="network namespaces need root and iproute2")
+def test_train_nodes_shaped_link(tmp_path, capsys):
+    """FSDP2 and HSDP on 2 nodes x 2 ranks behind a link, exact and auto (2 steps)."""
+    before = _netns()
+    assert main(["train", "--nodes", "2", "--ranks-per-node", "2", "--link", "1gbit",
+                 "--mode", "fsdp2,hsdp", "--variants", "fp32,w8g8-auto", "--steps", "2",
+                 "--eval-every", "2", "--layers", "1", "--width", "32", "--heads", "2",
+                 "--seq", "16", "--batch", "2", "--eval-windows", "4", "--limit-bytes",
+                 "100000", "--timeout", "120", "--out", str(tmp_path), "--no-plot"]) == 0
+    assert _netns() == before
+    header, summary = _load(tmp_path / "train-1gbit-2x2.json")
+    assert header["mesh"] == [[0, 1], [2, 3]] and header["layout"] == "2x2"
+    runs = json.loads((tmp_path / "train-1gbit-2x2-runs.json").read_text())["runs"]
+    assert [(r["mode"], r["variant"]) for r in runs] == [
+        ("fsdp2", "fp32"), ("fsdp2", "w8g8-auto"), ("hsdp", "fp32"), ("hsdp", "w8g8-auto")]
+    by = {(r["mode"], r["variant"]): r for r in runs}
+    for r in runs:
+        assert r["inter_bytes_per_step"] > 0 and r["intra_bytes_per_step"] > 0
+    # auto compresses only what crosses: fewer inter-node bytes than exact
+    for mode in ("fsdp2", "hsdp"):
+        assert (by[(mode, "w8g8-auto")]["inter_bytes_per_step"]
+                < by[(mode, "fp32")]["inter_bytes_per_step"] / 2)
+    # HSDP shards inside a node: less crosses than with a full shard over all ranks
+    assert by[("hsdp", "fp32")]["inter_bytes_per_step"] < by[("fsdp2", "fp32")][
+        "inter_bytes_per_step"]
+    assert {(s["mode"], s["variant"]) for s in summary} == set(by)
 
 
 @pytest.mark.skipif(not ROOT_AND_IP, reason="network namespaces need root and iproute2")
