@@ -47,8 +47,9 @@ on the wire per step (``qcomm.stats``), and the share of the step spent communic
 ``1 - T_compute / T_step``, where ``T_compute`` is the same step (forward, backward,
 AdamW) timed on an unsharded local replica on the same cores. FSDP2 on CPU does not
 overlap communication with compute, so the best a variant can do is Amdahl's bound
-``T_base / (T_compute + T_comm_base / ratio)``; the summary prints each variant's
-speedup against it. The bytes FSDP2's own bf16 mixed precision would send are
+``T_base / (T_compute + T_comm_base / ratio)`` (``ratio``: of the bytes sent to other
+nodes where the runs count them, else of the wire bytes); the summary prints each
+variant's speedup against it. The bytes FSDP2's own bf16 mixed precision would send are
 reported too: half the fp32 bytes (both are exact casts, so that is arithmetic, not a
 measurement).
 """
@@ -502,7 +503,13 @@ def _summarize_mode(rows: list[dict]) -> tuple[list[dict], list[str]]:
                 s["significant_95"] = abs(s["paired_diff_pct"]) > t_crit * s["paired_se_pct"]
         if base_step:
             s["speedup"] = base_step / s["step_s"]
-            ratio = base_wire / s["wire_bytes_per_step"] if s["wire_bytes_per_step"] else 1.0
+            # the bytes that cross to other nodes where known (two-level sends exact
+            # inside the node: its wire bytes overstate what meets the slow link)
+            key = "inter_mb_per_step" if "inter_mb_per_step" in s else "wire_mb_per_step"
+            sent = s[key] * 1e6
+            base_sent = statistics.median(r.get(key.replace("_mb_", "_bytes_"), 0)
+                                          for r in base.values())
+            ratio = base_sent / sent if sent and base_sent else 1.0
             comm_base = base_step - base_compute
             s["amdahl_bound"] = base_step / (base_compute + comm_base / ratio)
             s["of_bound"] = s["speedup"] / s["amdahl_bound"]

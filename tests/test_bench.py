@@ -242,6 +242,13 @@ def test_speedup_plot(tmp_path):
                              collectives.columns(False), rows)
     assert collectives.plot_speedup(tmp_path) == tmp_path / "speedup-vs-link.png"
     assert (tmp_path / "speedup-vs-link.png").stat().st_size > 0
+    # runs of another node layout in the same folder: a plot of their own
+    assert collectives.plot_speedup(tmp_path, "2x2") is None  # none yet
+    for tag in ("1gbit", "100mbit"):
+        common.write_results(tmp_path, f"collectives-{tag}-2x2",
+                             dict(header, link=tag, layout="2x2"), collectives.columns(False),
+                             [dict(r, variant="qcomm8-auto") for r in rows])
+    assert collectives.plot_speedup(tmp_path, "2x2") == tmp_path / "speedup-vs-link-2x2.png"
 
 
 def _check_nodes(rows, header):
