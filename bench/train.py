@@ -280,6 +280,7 @@ def worker(spec: dict) -> dict:
     if spec.get("mode", "fsdp2") == "hsdp":
         mesh = _hsdp_mesh(spec.get("mesh"), world)
         groups += [mesh.get_group("replicate"), mesh.get_group("shard")]
+        groups = list({id(g): g for g in groups}.values())  # a dimension may be WORLD
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
