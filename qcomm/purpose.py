@@ -12,7 +12,7 @@ lose precision; three mechanisms, each tested:
    DCP save and load, ``DTensor.full_tensor()`` / ``redistribute``) goes exact. The
    walk is cached per code object: a few microseconds a call.
 2. **Mesh dimensions that are not data-parallel**: DeviceMesh names each dimension's
-   group ``mesh_<name>``; a qcomm group whose dimension name is not in
+   group ``mesh_<name>``; a qcomm group whose dimension name does not start with one of
    :data:`DATA_PARALLEL_DIMS` (tensor, context, pipeline, expert parallel: ``tp``,
    ``cp``, ``pp``, ``ep``, ...) sends everything exact. Unnamed dimensions
    (``mesh_dim_0``) compress.
@@ -39,12 +39,12 @@ EXACT_CALLERS = (
     "torch/distributed/fsdp/_unshard_param_utils.py",  # FSDP1 summon_full_params
 )
 
-# Mesh dimension names whose groups carry data-parallel traffic (torchtitan's and
-# torch's FSDP/HSDP examples use these).
-DATA_PARALLEL_DIMS = frozenset({
-    "dp", "ddp", "fsdp", "hsdp", "replicate", "shard", "data", "default",
-    "dp_replicate", "dp_shard", "dp_cp", "dp_shard_cp",
-})
+# Mesh dimension names whose groups carry data-parallel traffic: names that start with
+# one of these (torchtitan's "dp_shard", "dp_replicate", "dp_shard_cp"; torch's HSDP
+# examples' "replicate", "shard"; "rep", "data", "fsdp", ...). Any other name (tp, cp,
+# pp, ep, "model", ...) goes exact: exact on a data-parallel dimension costs bytes,
+# compression on a tensor-parallel one costs accuracy.
+DATA_PARALLEL_DIMS = ("dp", "ddp", "fsdp", "hsdp", "rep", "shard", "data", "default")
 
 _local = threading.local()
 _verdicts: dict = {}  # code object -> matching EXACT_CALLERS entry or ""
@@ -93,7 +93,7 @@ def mesh_dim_reason(desc: str) -> str | None:
     if not desc.startswith("mesh_"):
         return None
     name = desc[len("mesh_"):]
-    if name.startswith("dim_") or name.lower() in DATA_PARALLEL_DIMS:
+    if name.startswith("dim_") or name.lower().startswith(DATA_PARALLEL_DIMS):
         return None
-    return (f"mesh dimension {name!r} is not data-parallel (compressed: "
-            f"{', '.join(sorted(DATA_PARALLEL_DIMS))})")
+    return (f"mesh dimension {name!r} is not data-parallel (compressed: names starting "
+            f"with {', '.join(DATA_PARALLEL_DIMS)})")

@@ -220,7 +220,9 @@ def test_purpose_names_the_caller():
 
     assert purpose.exact_caller() is None
     assert purpose.mesh_dim_reason("mesh_tp") and purpose.mesh_dim_reason("mesh_cp")
-    for desc in ("mesh_dp", "mesh_dp_shard", "mesh_replicate", "mesh_dim_0", "default_pg"):
+    assert purpose.mesh_dim_reason("mesh_model")
+    for desc in ("mesh_dp", "mesh_dp_shard_cp", "mesh_replicate", "mesh_rep", "mesh_shard",
+                 "mesh_dim_0", "default_pg"):
         assert purpose.mesh_dim_reason(desc) is None, desc
     state = qcomm.driver.GroupState(CommConfig())
     assert purpose.may_compress(state)

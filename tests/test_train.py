@@ -61,7 +61,8 @@ def test_train_under_torchrun(tmp_path):
 
     from bench import common
 
-    env = {**os.environ, "QCOMM_COMPILE": "0",
+    # both ranks on this one host: one node, which QCOMM_TOPOLOGY=auto would send exact
+    env = {**os.environ, "QCOMM_COMPILE": "0", "QCOMM_INTRA_NODE": "compress",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(common.ROOT),
                                                        os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",

@@ -154,7 +154,7 @@ def quantize_flat(
                     c[:, :H].copy_(halves[0])
                     c[:, H:].copy_(halves[1])
                     continue
-            wrap(pack_buckets, bits=bits)(*halves, c)
+            wrap(pack_buckets, bits=bits, bucket_size=B)(*halves, c)
     for piece in singles:
         _encode_single(wrap(encode_bucket, **static), *piece, key=key, divisor=divisor,
                        bucket_size=B, bits=bits)
@@ -243,11 +243,14 @@ def encode_buckets(x, meta_out, lo_out, hi_out, pos, *, first, key, divisor, bit
     hi_out.copy_(hi)
 
 
-def pack_buckets(codes, codes_hi, codes_out, *, bits):
+def pack_buckets(codes, codes_hi, codes_out, *, bits, bucket_size):
     """Pack code bytes into ``codes_out`` [buckets, B * bits / 8]: ``codes`` is the buckets'
     [buckets, B] bytes, or with ``codes_hi`` the two halves [buckets, B / 2] as
     :func:`encode_buckets` returns them. (Named arguments, no ``*codes``: the codec
-    calls a compiled graph directly only where its inputs are named arguments.)"""
+    calls a compiled graph directly only where its inputs are named arguments.)
+    ``bucket_size`` is not read: it keys the compile cache, so each bucket size has its
+    own graph (a second size recompiled the shared one, which turned its direct calls
+    off: Dynamo marks only the bucket count dynamic)."""
     both = codes if codes_hi is None else torch.cat((codes, codes_hi), dim=1)
     codes_out.copy_(pack_codes(both, bits))
 
