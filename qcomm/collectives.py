@@ -177,31 +177,32 @@ def two_level_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list
 def two_level_all_gather(call: Call, outs: list[torch.Tensor], inp: torch.Tensor, seed: int,
                          *, check=None, accumulate: bool = False) -> tuple[int, int]:
     """:func:`packed_all_gather` in two levels: the ranks of this rank's local index
-    all-gather their shards compressed (every one of them decodes the same payloads),
-    then the node all-gathers those decoded shards exactly, so every rank of the group
-    holds the same bytes. ``accumulate`` as there (the decoded shards are added into
-    fp32 ``outs``; the exact level then copies the sums). Returns (bytes sent, of them
-    inside the node)."""
+    all-gather their payloads across nodes, then the node all-gathers those payloads
+    (bytes, exact: a quarter of the decoded fp32 shards at 8 bits), and every rank
+    decodes all of them, so every rank of the group holds the same bytes. ``accumulate``
+    as there. Returns (bytes sent, of them inside the node)."""
     topo = call.topology
     intra, inter = call.subgroups()
     nodes, per_node = topo.nodes, topo.per_node
-    n = inp.numel()
-    mine = [outs[topo.members[k][topo.local]] for k in range(nodes)]
-    nbytes = packed_all_gather(call.on(inter, topo.node, nodes), mine, inp, seed,
-                               check=check, accumulate=accumulate)
-    dtype, device = outs[0].dtype, outs[0].device
-    send = call.buffer("ag2_send", nodes * n, dtype, device).view(nodes, n)
-    for k, shard in enumerate(mine):
-        send[k].copy_(shard.reshape(-1))
-    recv = call.buffer("ag2_recv", per_node * nodes * n, dtype, device)
-    I.wait(I.all_gather(intra, recv, send.view(-1)), call.kind,
-           "the exact all-gather inside the node", call.rank)
-    got = recv.view(per_node, nodes, n)
+    n, q, device = inp.numel(), call.q, inp.device
+    nbytes = packed_nbytes(n, q)
+    send = call.buffer("ag_send", nbytes, torch.uint8, device)
+    quantize(inp, q, seed=seed, out=send)  # reads inp first
+    if check is not None:
+        check.finish()
+    across = call.buffer("ag2_inter", nodes * nbytes, torch.uint8, device)
+    I.wait(I.all_gather(inter, across, send), call.kind,
+           f"the all-gather of {nbytes}-byte payloads across nodes", call.rank)
+    rows = call.buffer("ag2_intra", per_node * nodes * nbytes, torch.uint8, device)
+    I.wait(I.all_gather(intra, rows, across), call.kind,
+           "the all-gather of the payloads inside the node", call.rank)
+    call.check_received(rows.view(-1, nbytes), n, inp.dtype)
+    rows = rows.view(per_node, nodes, nbytes)
     for local in range(per_node):
-        if local != topo.local:
-            for k in range(nodes):
-                outs[topo.members[k][local]].view(-1).copy_(got[local, k])
-    intra_bytes = (per_node - 1) * nodes * n * send.element_size()
+        for k in range(nodes):
+            dequantize(Packed(rows[local, k], n, inp.dtype, q),
+                       out=outs[topo.members[k][local]], accumulate=accumulate, check=False)
+    intra_bytes = (per_node - 1) * nodes * nbytes
     return (nodes - 1) * nbytes + intra_bytes, intra_bytes
 
 

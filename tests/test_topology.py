@@ -26,8 +26,8 @@ def _two_level_body(rank, world, dtype, n):
     res = _compressed_body(rank, world, Q8, dtype, n)  # within the flat bound, see there
     state = qcomm.driver.group_state(None)
     res["plan"] = state.plan
-    # one more all-gather, its bytes per level: N - 1 = 1 payload across, the node's
-    # other rank gets both decoded shards of this rank's local index exactly
+    # one more all-gather, its bytes per level: N - 1 = 1 payload across, and the N = 2
+    # payloads of this rank's local index to the node's other rank
     qcomm.stats(reset=True)
     qcomm.all_gather_into_tensor(torch.empty(world * n, dtype=dtype), make(rank, n, dtype))
     s = qcomm.stats()["all_gather"]
@@ -48,7 +48,7 @@ def test_two_level_within_bound_and_identical(nodes):
     for r in results:
         assert r["plan"] == "two_level"
         assert torch.equal(r["ag"], results[0]["ag"]) and torch.equal(r["ar"], results[0]["ar"])
-        assert r["bytes"] == (packed_nbytes(n, Q8), 2 * n * 4)
+        assert r["bytes"] == (packed_nbytes(n, Q8), 2 * packed_nbytes(n, Q8))
 
 
 def _fallback_body(rank, world):
