@@ -12,7 +12,8 @@ from conftest import make, run_ranks
 from test_collectives import Q8, _compressed_body
 
 import qcomm
-from qcomm import CommConfig
+import qcomm.fsdp as qcomm_fsdp
+from qcomm import CommConfig, QuantConfig
 from qcomm.layout import packed_nbytes
 
 pytestmark = pytest.mark.slow
@@ -22,7 +23,8 @@ def _nodes(spec: str) -> list[dict]:
     return [{"QCOMM_NODE": node} for node in spec.split(",")]
 
 
-def _two_level_body(rank, world, dtype, n):
+def _two_level_body(rank, world, dtype, n, piece):
+    qcomm.collectives.PIECE = piece  # pieces of whole buckets: the same flat bound
     res = _compressed_body(rank, world, Q8, dtype, n)  # within the flat bound, see there
     state = qcomm.driver.group_state(None)
     res["plan"] = state.plan
@@ -32,23 +34,41 @@ def _two_level_body(rank, world, dtype, n):
     qcomm.all_gather_into_tensor(torch.empty(world * n, dtype=dtype), make(rank, n, dtype))
     s = qcomm.stats()["all_gather"]
     res["bytes"] = (s.inter_node_bytes, s.intra_node_bytes)
+    # weight differences in two levels: each gather of the same shards refines the
+    # reconstruction every rank holds alike
+    gather = qcomm_fsdp.DeltaAllGather(QuantConfig(bits=4, bucket_size=128))
+    shard, truth = make(rank, n, dtype, salt=7), torch.cat([make(r, n, dtype, salt=7)
+                                                            for r in range(world)])
+    res["delta"], res["delta_err"] = [], []
+    for _ in range(3):
+        out = torch.empty(world * n, dtype=dtype)
+        gather(out, shard, dist.group.WORLD)
+        res["delta"].append(out)
+        res["delta_err"].append((out - truth).abs().max().item())
     return res
 
 
-@pytest.mark.parametrize("nodes", ["a,a,b,b", "a,b,b,a"], ids=["node-major", "interleaved"])
-def test_two_level_within_bound_and_identical(nodes):
+@pytest.mark.parametrize("nodes, piece", [("a,a,b,b", 1 << 19), ("a,b,b,a", 1024)],
+                         ids=["node-major", "interleaved-pieces"])
+def test_two_level_within_bound_and_identical(nodes, piece):
     """2 nodes x 2 ranks, ranks in node-major or any order: all-gather, reduce-scatter
     (SUM, AVG, PREMUL_SUM) and all-reduce within the codec's bound of the exact result
     (the flat bound holds: a node sum's bucket range is at most the sum of its parts'),
     every rank's all-gather and all-reduce the same bytes, 1 payload across the link
-    per all-gather where flat sends 3 (2 of them across)."""
+    per all-gather where flat sends 3 (2 of them across). Pieces of 1024 elements run
+    the pipeline over 3 pieces (one of them partial)."""
     n = 3001
-    results = run_ranks(_two_level_body, 4, torch.float32, n, backend="gloo",
+    results = run_ranks(_two_level_body, 4, torch.float32, n, piece, backend="gloo",
                         env=_nodes(nodes))
+    sizes = [min(piece, n - a) for a in range(0, n, piece)]
+    payloads = sum(packed_nbytes(m, Q8) for m in sizes)
     for r in results:
         assert r["plan"] == "two_level"
         assert torch.equal(r["ag"], results[0]["ag"]) and torch.equal(r["ar"], results[0]["ar"])
-        assert r["bytes"] == (packed_nbytes(n, Q8), 2 * packed_nbytes(n, Q8))
+        assert r["bytes"] == (payloads, 2 * payloads)
+        assert all(torch.equal(a, b) for a, b in zip(r["delta"], results[0]["delta"], strict=True))
+        first, _, last = r["delta_err"]
+        assert last < first / 8, r["delta_err"]
 
 
 def _fallback_body(rank, world):
