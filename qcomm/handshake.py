@@ -69,7 +69,11 @@ def check_at_creation(store, rank: int, size: int, config: CommConfig,
                 f"qcomm config differs between ranks: rank {rank} has {mine}, rank {peer} "
                 f"has {theirs} (check the QCOMM_* environment variables)"
             )
-    return [store.get(f"qcomm/node/{made}/{r}").decode() for r in range(size)]
+    keys = [f"qcomm/node/{made}/{r}" for r in range(size)]
+    if hasattr(store, "multi_get"):  # one wait and one read, not one round trip per rank
+        store.wait(keys)  # a peer may not have posted yet (only rank 0 waited for all)
+        return [v.decode() for v in store.multi_get(keys)]
+    return [store.get(k).decode() for k in keys]
 
 
 # ---------------------------------------------------------------------------------
