@@ -84,11 +84,6 @@ class Topology:
         """The group ranks on this rank's node, by local index."""
         return self.members[self.node]
 
-    def inter_ranks(self) -> tuple[int, ...]:
-        """The group ranks of this rank's local index, one per node, by node index
-        (two-level plans only: every node has this local index)."""
-        return tuple(m[self.local] for m in self.members)
-
     def same_node_peers(self) -> int:
         """Peers of this rank on its own node."""
         return len(self.intra_ranks()) - 1
