@@ -248,6 +248,14 @@ def compile_enabled(env: Mapping[str, str] | None = None) -> bool:
     return env.get("QCOMM_COMPILE", "1").strip() != "0"
 
 
+def async_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """``QCOMM_ASYNC``: ``0`` runs asynchronous compressed calls on CPU in the caller's
+    thread (completed before they return, as before qcomm.engine); anything else, or
+    unset, runs them on the group's worker thread. Read per call."""
+    env = os.environ if env is None else env
+    return env.get("QCOMM_ASYNC", "1").strip() != "0"
+
+
 def triton_interpreted(env: Mapping[str, str] | None = None) -> bool:
     """Whether Triton runs its interpreter (``TRITON_INTERPRET=1``, set before triton is
     imported): the kernels then run on CPU tensors, how CI tests them."""

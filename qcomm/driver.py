@@ -32,7 +32,8 @@ from torch.distributed import ReduceOp
 from . import handshake, purpose
 from . import inner as I
 from .codec import FLOAT_DTYPES
-from .config import CommConfig, QuantConfig, comm_config_from_env
+from .config import CommConfig, QuantConfig, async_enabled, comm_config_from_env
+from .engine import Engine
 from .stats import Stats
 from .topology import (
     EXACT,
@@ -93,6 +94,8 @@ class GroupState:
         self.buffers = BufferCache()
         self.stats = Stats()
         self.lock = threading.Lock()
+        # The worker that runs asynchronous compressed calls on CPU (qcomm.engine).
+        self.engine = Engine()
         # Whether every rank is known to run this config: True for groups made by
         # init_process_group / new_group (checked through the store at creation); plain
         # and wrapped groups check it at their first collective (handshake.ensure_agreed).
@@ -315,9 +318,18 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
             and compressible(tensor, numel, group.size(), q, state.config.min_numel, op)):
         state.stats.record(kind, compressed=False, logical=logical, wire=logical,
                            intra=split_intra(state, logical))
+        state.engine.drain()  # the inner group's calls in every rank's same order
         return exact()
-    with state.lock:
+    with state.lock:  # the call index, in the caller's order (seeds)
         call = Call(kind, inner, state, q, state.next_call(), inner.rank(), group.size())
-        wire, intra = compressed(call)
-    state.stats.record(kind, compressed=True, logical=logical, wire=wire, intra=intra)
+
+    def body() -> None:
+        with state.lock:
+            wire, intra = compressed(call)
+        state.stats.record(kind, compressed=True, logical=logical, wire=wire, intra=intra)
+
+    if async_op and tensor.device.type == "cpu" and async_enabled():
+        return state.engine.submit(body, result)  # qcomm.engine: off the caller's thread
+    state.engine.drain()
+    body()
     return I.completed_work(result) if async_op else None

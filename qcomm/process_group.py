@@ -26,20 +26,22 @@ from . import collectives as C
 from . import driver, handshake, purpose
 from . import inner as I
 from .config import CommConfig, comm_config_from_env, node_key
+from .engine import Works
 from .topology import Subgroups, plain_subgroups
 
 BACKEND_NAME = "qcomm"
+_BACKEND_TYPES = {"ProcessGroupGloo": dist.ProcessGroup.BackendType.GLOO,
+                  "ProcessGroupNCCL": dist.ProcessGroup.BackendType.NCCL}
 log = logging.getLogger("qcomm")
 _c10d = dist.distributed_c10d
 
 
-def _combine(works: list):
-    """One Work for several: all but the last are waited for here (gloo and NCCL
-    order a group's works anyway), the last is returned."""
+def _combine(works: list, result=None):
+    """One Work for several (:class:`qcomm.engine.Works`); the Work itself for one."""
     works = [w for w in works if w is not None]
-    for w in works[:-1]:
-        w.wait()
-    return works[-1] if works else I.completed_work()
+    if len(works) == 1:
+        return works[0]
+    return Works(works, result) if works else I.completed_work(result)
 
 
 def _reduce_op(opts):
@@ -47,6 +49,13 @@ def _reduce_op(opts):
     if opts is None:
         return ReduceOp.SUM
     return getattr(opts, "reduceOp", opts)
+
+
+def _async(opts) -> bool:
+    """Whether the caller wants a Work back (``opts.asyncOp``, which torch >= 2.7 sets
+    from ``async_op``; a synchronous call then runs in the caller's thread and returns
+    None, which torch accepts). Options without the field, and C++ callers, get a Work."""
+    return bool(getattr(opts, "asyncOp", True)) if opts is not None else True
 
 
 def _is_flat_form(outs: list[torch.Tensor], like: torch.Tensor, world: int) -> bool:
@@ -72,6 +81,16 @@ class QcommProcessGroup(dist.ProcessGroup):
         self._owns_inner = owns_inner
         self._qcomm_name: str | None = None
         self._qcomm_desc = "undefined"
+        self._qcomm_window: list | None = None  # a coalescing window's Works
+        # The inner group's backends, registered as this group's: torch's C++ reaches a
+        # group's backend directly for device binding (init_process_group(device_id=)
+        # eager-connects it, new_group splits from it), timeouts, and some functional
+        # ops (_c10d_functional's *_out forms on torch 2.13, which then run exact)
+        for device in getattr(inner, "_device_types", ()):  # (a Python inner has none)
+            backend = inner._get_backend(device)
+            kind = _BACKEND_TYPES.get(type(backend).__name__,
+                                      dist.ProcessGroup.BackendType.CUSTOM)
+            self._register_backend(device, kind, backend)
 
     @property
     def config(self) -> CommConfig:
@@ -129,7 +148,8 @@ class QcommProcessGroup(dist.ProcessGroup):
     # -- all-gather ---------------------------------------------------------------
     def all_gather_single(self, output, input, opts=None):  # noqa: A002 (torch's names)
         with self._purpose():
-            return C.all_gather_into_tensor(output, input, self, async_op=True)
+            return self._issued(C.all_gather_into_tensor(output, input, self,
+                                                         async_op=_async(opts)))
 
     _allgather_base = all_gather_single
 
@@ -143,7 +163,7 @@ class QcommProcessGroup(dist.ProcessGroup):
                 works.append(C.gather_into(
                     self, list(outs), None, inp, async_op=True, exact=exact,
                     can_compress=_is_flat_form(outs, inp, self.size())))
-        return _combine(works)
+        return self._issued(_combine(works))
 
     def _exact_allgather(self, outs, inp):
         return lambda: self.inner.allgather([list(outs)], [inp], _c10d.AllgatherOptions())
@@ -155,14 +175,21 @@ class QcommProcessGroup(dist.ProcessGroup):
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        return _combine([self.allgather([outs], [inp]) for outs, inp in
-                         zip(output_lists, input_list, strict=True)])
+        # torch's layout: output_lists[r][i] receives rank r's input_list[i]
+        world = self.size()
+        if len(output_lists) != world or any(len(o) != len(input_list) for o in output_lists):
+            raise ValueError(
+                f"all_gather_coalesced: expected {world} output lists (one per rank) of "
+                f"{len(input_list)} tensors (one per input), got "
+                f"{[len(o) for o in output_lists]}")
+        return _combine([self.allgather([[output_lists[r][i] for r in range(world)]], [inp])
+                         for i, inp in enumerate(input_list)])
 
     # -- reduce-scatter -----------------------------------------------------------
     def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002
         with self._purpose():
-            return C.reduce_scatter_tensor(output, input, _reduce_op(opts), self,
-                                           async_op=True)
+            return self._issued(C.reduce_scatter_tensor(output, input, _reduce_op(opts),
+                                                        self, async_op=_async(opts)))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -177,7 +204,7 @@ class QcommProcessGroup(dist.ProcessGroup):
                     self, out, list(chunks), None, op, async_op=True,
                     exact=self._exact_reduce_scatter(out),
                     can_compress=_is_flat_form(chunks, out, self.size())))
-        return _combine(works)
+        return self._issued(_combine(works))
 
     def _exact_reduce_scatter(self, out):
         def run(op, chunks):
@@ -198,25 +225,38 @@ class QcommProcessGroup(dist.ProcessGroup):
             tensors = [tensors]
         op = _reduce_op(opts)
         with self._purpose():
-            return _combine([C.all_reduce(t, op, self, async_op=True) for t in tensors])
+            return self._issued(_combine([C.all_reduce(t, op, self, async_op=_async(opts))
+                                          for t in tensors]))
 
     allreduce_coalesced = allreduce
 
     # -- everything else: exact, through the inner group ----------------------------
     def all_to_all_single(self, *args, **kwargs):
-        return I.method(self.inner, "all_to_all_single", "alltoall_base")(*args, **kwargs)
+        self._qcomm_state.engine.drain()
+        return self._issued(I.method(self.inner, "all_to_all_single", "alltoall_base")(
+            *args, **kwargs))
 
     alltoall_base = all_to_all_single
 
     # torch's _coalescing_manager(group, device) brackets collectives that each run here
-    # as they are called (every Work below is complete or waited for by its caller).
+    # as they are called; the Work _end_coalescing returns replaces theirs (torch drops
+    # them), so it stands for every Work issued inside the window.
     def _start_coalescing(self, device) -> None:
-        pass
+        self._qcomm_window = []
 
     def _end_coalescing(self, device):
-        return I.completed_work()
+        window, self._qcomm_window = self._qcomm_window or [], None
+        return _combine(window)
+
+    def _issued(self, work):
+        """Every Work this group returns passes here (the coalescing window's record)."""
+        window = self._qcomm_window
+        if window is not None and work is not None:
+            window.append(work)
+        return work
 
     def shutdown(self) -> None:
+        self._qcomm_state.engine.shutdown()
         if self._owns_inner:
             self.inner.shutdown()
         self._qcomm_state.buffers.clear()
@@ -228,7 +268,8 @@ class QcommProcessGroup(dist.ProcessGroup):
 
 def _forward(name: str):
     def method(self, *args, **kwargs):
-        return getattr(self.inner, name)(*args, **kwargs)
+        self._qcomm_state.engine.drain()  # after the compressed calls in flight (order)
+        return self._issued(getattr(self.inner, name)(*args, **kwargs))
     method.__name__ = name
     method.__doc__ = f"Exact: forwarded to the inner group's ``{name}``."
     return method

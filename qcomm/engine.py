@@ -1,0 +1,169 @@
+"""Asynchronous compressed calls: one worker thread per group, and the Work it returns.
+
+``async_op=True`` is a promise that the caller's thread goes on while the collective
+runs (DDP's reducer and FSDP2's prefetching all-gathers compute behind it). An exact
+collective keeps it through gloo's own threads; a compressed one also quantizes and
+decodes, so on CPU the whole call (codec and inner collectives) runs on the group's
+worker thread, and the caller gets an :class:`AsyncWork` at once. torch's ops release
+the GIL while they compute, as gloo's waits do, so the caller's compute and the call
+really overlap.
+
+Order is the contract that makes this safe: every rank must issue a group's inner
+collectives in the same order. The worker runs the group's calls one at a time in the
+order they were submitted, and anything the caller issues on the group outside the
+worker (an exact call, a synchronous compressed one, a forwarded broadcast or barrier)
+first :meth:`Engine.drain`\\s it: waits for the calls in flight to finish. A call that
+fails in its inner collectives (a dead peer, a timeout) fails every later one on the group,
+naming the first failure, instead of leaving the ranks out of step (which would hang or
+mix up payloads); a call every rank refused alike (the descriptor check's ValueError)
+leaves them in step, and the group goes on.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class AsyncWork(dist.Work):
+    """The Work of a compressed call running on a group's worker: ``wait()`` blocks until
+    it has finished and raises its error; ``is_completed()`` and ``get_future()`` tell
+    the truth (the future holds ``result``, the output tensors, as gloo's does)."""
+
+    def __init__(self, future: concurrent.futures.Future, result) -> None:
+        super().__init__()
+        self._future = future
+        self._result = result
+        self._torch_future = torch.futures.Future()
+        future.add_done_callback(self._finished)
+
+    def _finished(self, future: concurrent.futures.Future) -> None:
+        err = future.exception()
+        if err is None:
+            self._torch_future.set_result(self._result)
+        else:
+            self._torch_future.set_exception(err)
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        seconds = timeout.total_seconds() if timeout else None
+        try:
+            self._future.result(seconds or None)
+        except concurrent.futures.TimeoutError:
+            raise dist.DistBackendError(
+                f"qcomm: a compressed call did not finish within {timeout}") from None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        return self._future.done() and self._future.exception() is None
+
+    def exception(self):
+        return self._future.exception() if self._future.done() else None
+
+    def get_future(self) -> torch.futures.Future:
+        return self._torch_future
+
+    def result(self):
+        return self._result
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+class Engine:
+    """A group's worker: runs submitted calls one at a time, in submission order."""
+
+    def __init__(self, name: str = "qcomm") -> None:
+        self._name = name
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._last: concurrent.futures.Future | None = None
+        self._failed: BaseException | None = None
+        self._lock = threading.Lock()
+        self._worker: int | None = None  # the worker thread's ident, once it has run
+
+    def submit(self, fn, result) -> AsyncWork:
+        """Run ``fn()`` after every call submitted before it; its Work holds ``result``."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=self._name)
+            future = self._pool.submit(self._run, fn)
+            self._last = future
+        return AsyncWork(future, result)
+
+    def _run(self, fn) -> None:
+        self._worker = threading.get_ident()
+        if self._failed is not None:
+            raise dist.DistBackendError(
+                "qcomm: not run: an earlier compressed call on this group failed, which "
+                f"leaves the ranks out of step: {self._failed}") from self._failed
+        try:
+            with torch.no_grad():  # grad mode is per thread: the caller's does not carry
+                fn()
+        except (ValueError, TypeError):
+            raise  # refused by every rank alike (the descriptor check): still in step
+        except BaseException as err:
+            self._failed = err
+            raise
+
+    def busy(self) -> bool:
+        last = self._last
+        return last is not None and not last.done()
+
+    def drain(self) -> None:
+        """Wait for the calls in flight (their errors stay with their Works)."""
+        last = self._last
+        if last is not None and threading.get_ident() != self._worker:
+            concurrent.futures.wait([last])
+
+    def shutdown(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+class Works(dist.Work):
+    """One Work for several (a list form's, a coalescing window's): ``wait()`` waits for
+    each in turn; the future holds ``result`` once all have finished."""
+
+    def __init__(self, works: list, result=None) -> None:
+        super().__init__()
+        self._works = works
+        self._result = result if result is not None else []
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        for work in self._works:
+            work.wait(timeout) if timeout else work.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def is_success(self) -> bool:
+        return all(w.is_success() for w in self._works)
+
+    def exception(self):
+        return next((w.exception() for w in self._works if w.exception() is not None), None)
+
+    def get_future(self) -> torch.futures.Future:
+        result = self._result
+
+        def finished(done):
+            for future in done.wait():
+                future.wait()  # raises the first failure
+            return result
+
+        return torch.futures.collect_all([w.get_future() for w in self._works]).then(finished)
+
+    def result(self):
+        return self._result
+
+    def synchronize(self) -> None:
+        self.wait()
