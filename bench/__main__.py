@@ -4,6 +4,7 @@
     python -m bench collectives                 # ranks on loopback (self-launched)
     python -m bench collectives --link 1gbit    # two namespaces behind a shaped link
     python -m bench train                       # FSDP2 training, exact vs quantized
+    python -m bench overlap --link 100mbit      # async collectives behind compute
 
 Nodes (qcomm's topology): every self-launched rank is told its node (QCOMM_NODE);
 without --nodes each loopback rank is a node of its own and each --link namespace one.
@@ -22,7 +23,7 @@ import sys
 
 import torch
 
-from . import codec, collectives, common, train
+from . import codec, collectives, common, overlap, train
 
 
 def parser() -> argparse.ArgumentParser:
@@ -30,7 +31,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
-    for name, module in (("codec", codec), ("collectives", collectives), ("train", train)):
+    for name, module in (("codec", codec), ("collectives", collectives), ("overlap", overlap),
+                         ("train", train)):
         summary = " ".join(module.__doc__.split("\n\n")[0].split()).split(": ", 1)[-1]
         q = sub.add_parser(name, help=summary,
                            description=module.__doc__,

@@ -1,0 +1,204 @@
+"""``python -m bench overlap``: an asynchronous collective overlapped with compute.
+
+What ``async_op=True`` is for (DDP's reducer, FSDP2's prefetching all-gathers): the
+caller computes while the collective runs. Per collective and variant, side by side
+in one run, each timed after a barrier as the slowest rank's time:
+
+- ``comm``: the collective alone (synchronous);
+- ``compute``: matmuls calibrated to take as long as ``comm`` ("equal compute");
+- ``serial``: the collective, then the compute;
+- ``overlap``: the collective with ``async_op=True``, the compute, then ``wait()``;
+- ``ratio = overlap / (comm + compute)``: 1.0 is no overlap at all, 0.5 a perfect
+  one at equal compute. Issue 19's target for qcomm: at most 0.75.
+
+Variants: ``exact`` (gloo, whose own threads run the transfer), ``qcomm8`` (8 bits, the
+group's worker thread runs codec and transfer: qcomm.engine), ``qcomm8-sync``
+(``QCOMM_ASYNC=0``: the call completes before it returns, as before the engine).
+
+    python -m bench overlap --link 100mbit        # issue 19's point: 16 MiB per rank
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from . import common
+from .link import LinkError, ShapedLink, parse_rate, pin_this_rank, run_ranks
+
+VARIANTS = ("exact", "qcomm8", "qcomm8-sync")
+COLLECTIVES = ("all_gather", "reduce_scatter")
+MATMUL = 256  # compute unit: one 256 x 256 fp32 matmul (~0.5-2 ms on one core)
+COLUMNS = [
+    common.Column("collective", "collective"),
+    common.Column("numel", "numel"),
+    common.Column("variant", "variant"),
+    common.Column("comm_ms", "comm(ms)", "{:.1f}"),
+    common.Column("compute_ms", "compute(ms)", "{:.1f}"),
+    common.Column("serial_ms", "serial(ms)", "{:.1f}"),
+    common.Column("overlap_ms", "overlap(ms)", "{:.1f}"),
+    common.Column("ratio", "overlap/serial", "{:.2f}"),
+    common.Column("spread", "spread", "{:.0%}"),
+    common.Column("ratios", "per round", "{}"),
+]
+
+
+class _Clock:
+    """Times a step on every rank after a barrier; the slowest rank's seconds."""
+
+    def __init__(self, dist, ref_group):
+        self.dist, self.group = dist, ref_group
+
+    def __call__(self, fn) -> float:
+        self.dist.barrier(group=self.group)
+        start = time.perf_counter()
+        fn()
+        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        self.dist.all_reduce(took, self.dist.ReduceOp.MAX, group=self.group)
+        return took.item()
+
+
+def _compute(units: int, ab: tuple) -> None:
+    a, b, c = ab
+    for _ in range(units):  # the same operands every time: no drift into denormals
+        torch.mm(a, b, out=c)
+
+
+def worker(spec: dict) -> None:
+    import torch.distributed as dist
+
+    pin_this_rank()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec["op_timeout"]))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = dist.group.WORLD
+    os.environ.update(QCOMM_AG_BITS="8", QCOMM_RS_BITS="8")
+    import qcomm  # noqa: F401 (registers the backend)
+
+    qgroup = dist.new_group(backend="qcomm")
+    clock = _Clock(dist, ref)
+    n = spec["numel"]
+    a = (torch.randn(MATMUL, MATMUL), torch.randn(MATMUL, MATMUL), torch.empty(MATMUL, MATMUL))
+    unit = min(clock(lambda: _compute(20, a)) for _ in range(3)) / 20
+    rows = []
+    for coll in spec["collectives"]:
+        x = torch.randn(n if coll == "all_gather" else world * n, generator=torch.Generator()
+                        .manual_seed(rank))
+        out = torch.empty(world * n if coll == "all_gather" else n)
+
+        def call(group, async_op, x=x, out=out, coll=coll):
+            if coll == "all_gather":
+                return dist.all_gather_into_tensor(out, x, group=group, async_op=async_op)
+            return dist.reduce_scatter_tensor(out, x, group=group, async_op=async_op)
+
+        samples = {v: {"comm": [], "compute": [], "serial": [], "overlap": []}
+                   for v in spec["variants"]}
+        for v in spec["variants"]:  # warm-up (compile, buffers) and calibration
+            os.environ["QCOMM_ASYNC"] = "0" if v.endswith("-sync") else "1"
+            group = ref if v == "exact" else qgroup
+            call(group, False)
+        for k in range(spec["rounds"]):
+            for v in spec["variants"][k % len(spec["variants"]):] + \
+                    spec["variants"][:k % len(spec["variants"])]:
+                os.environ["QCOMM_ASYNC"] = "0" if v.endswith("-sync") else "1"
+                group = ref if v == "exact" else qgroup
+                comm = clock(lambda group=group: call(group, False))
+                units = max(1, round(comm / unit))
+                s = samples[v]
+                s["comm"].append(comm)
+                s["compute"].append(clock(lambda units=units: _compute(units, a)))
+                s["serial"].append(clock(lambda group=group, units=units: (
+                    call(group, False), _compute(units, a))))
+
+                def overlapped(group=group, units=units):
+                    work = call(group, True)
+                    _compute(units, a)
+                    work.wait()
+
+                s["overlap"].append(clock(overlapped))
+        for v, s in samples.items():
+            med = {key: statistics.median(vals) for key, vals in s.items()}
+            ratios = [o / (c + m) for o, c, m in zip(s["overlap"], s["comm"], s["compute"],
+                                                     strict=True)]
+            rows.append({"collective": coll, "numel": n, "variant": v,
+                         "comm_ms": med["comm"] * 1e3, "compute_ms": med["compute"] * 1e3,
+                         "serial_ms": med["serial"] * 1e3, "overlap_ms": med["overlap"] * 1e3,
+                         "ratio": statistics.median(ratios),
+                         "spread": (max(ratios) - min(ratios)) / statistics.median(ratios),
+                         "rounds": len(ratios), "ratios": [round(r, 3) for r in ratios]})
+            if rank == 0:
+                r = rows[-1]
+                print(f"# {coll} {v}: comm {r['comm_ms']:.0f} ms, overlap/serial "
+                      f"{r['ratio']:.2f}", file=sys.stderr, flush=True)
+    if rank == 0:
+        Path(spec["result"]).write_text(json.dumps(rows))
+    dist.barrier(group=ref)
+    dist.destroy_process_group()
+    os._exit(0)  # as bench.collectives: skip the interpreter's teardown
+
+
+def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
+    p.add_argument("--link", default="100mbit",
+                   help="link rate between the two hosts (needs root), or loopback")
+    p.add_argument("--sizes", type=common.arg(common.parse_sizes), default=[1 << 22],
+                   help="elements per rank (default 2^22: 16 MiB fp32)")
+    p.add_argument("--collectives", type=common.arg(
+        lambda t: common.parse_list(t, COLLECTIVES, "collective")), default=list(COLLECTIVES))
+    p.add_argument("--variants", type=common.arg(
+        lambda t: common.parse_list(t, VARIANTS, "variant")), default=list(VARIANTS))
+    p.add_argument("--rounds", type=int, default=7, help="rounds, variants interleaved")
+    p.add_argument("--timeout", type=float, default=1800, help="whole run, seconds")
+    p.add_argument("--op-timeout", type=float, default=300, help="process groups' timeout")
+
+
+def main(args) -> int:
+    rate = None if args.link in (None, "loopback") else args.link
+    if rate is not None and parse_rate(rate) is None:
+        print(f"python -m bench overlap: bad --link {args.link!r}", file=sys.stderr)
+        return 2
+    tag = rate or "loopback"
+    header = common.run_header("overlap", device="cpu (gloo)", link=tag, command=args.command)
+    header["sweep"] = {"sizes": args.sizes, "collectives": args.collectives,
+                       "variants": args.variants, "rounds": args.rounds, "world": 2}
+    print(common.format_header(header), flush=True)
+    rows = []
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(common.ROOT),
+                                                       os.environ.get("PYTHONPATH")]))}
+    for numel in args.sizes:
+        with tempfile.TemporaryDirectory(prefix="qcomm-bench-") as tmp:
+            spec = {"numel": numel, "collectives": args.collectives,
+                    "variants": args.variants, "rounds": args.rounds,
+                    "op_timeout": args.op_timeout, "result": str(Path(tmp) / "rows.json")}
+            spec_path = Path(tmp) / "spec.json"
+            spec_path.write_text(json.dumps(spec))
+            argv = ["-m", "bench.overlap", "--worker", str(spec_path)]
+            try:
+                if rate is None:
+                    run_ranks(argv, 2, timeout_s=args.timeout, env=env)
+                else:
+                    with ShapedLink(rate) as link:
+                        run_ranks(argv, 2, link=link, timeout_s=args.timeout, env=env)
+            except LinkError as err:
+                print(f"python -m bench overlap: {err}", file=sys.stderr)
+                return 2
+            rows += json.loads(Path(spec["result"]).read_text())
+    common.report("overlap", header, COLUMNS, rows, args.out, f"overlap-{tag}")
+    for r in rows:
+        if r["variant"] == "qcomm8":
+            verdict = "met" if r["ratio"] <= 0.75 else "short"
+            print(f"#  {tag} {r['collective']} {r['numel'] * 4 / 2**20:.0f} MiB/rank qcomm8: "
+                  f"overlapped with equal compute {r['ratio']:.2f}x the serial sum "
+                  f"(target <= 0.75: {verdict}; ideal 0.50)")
+    return 0
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
+    worker(json.loads(Path(sys.argv[2]).read_text()))
