@@ -10,6 +10,8 @@
 #      same time, the CPU suite on this machine's torch (not the CI's version) with CUDA
 #      hidden;
 #   2. the "qcomm" backend on CUDA tensors == on CPU tensors, bit for bit (bench.crossdevice);
+#      2b. torch's contracts on CUDA: device_id binding, native NCCL AVG/PREMUL_SUM,
+#      functional ops, async calls across streams (bench.cuda_contracts);
 #   3. codec throughput: Triton and torch.compile of the reference next to a same-run copy
 #      (fp32, every scheme, 2/4/8 bits), then Triton alone for bf16/fp16;
 #   4. the same for 1, 2 and 4 warps per bucket program (the kernels' one tuning knob).
@@ -60,7 +62,8 @@ log "phase 1: kernels on CUDA vs reference; CPU suite on this torch (parallel)"
     > "$R/test_kernels_cuda.log" 2>&1; echo "exit $?" >> "$R/test_kernels_cuda.log" ) &
 ( CUDA_VISIBLE_DEVICES= timeout 170 $PY -m pytest -q -n 6 -p no:cacheprovider \
     tests/test_config.py tests/test_codec.py tests/test_collectives.py \
-    tests/test_process_group.py tests/test_fsdp.py tests/test_weight_deltas.py tests/test_train.py \
+    tests/test_process_group.py tests/test_contracts.py tests/test_fsdp.py \
+    tests/test_weight_deltas.py tests/test_train.py \
     > "$R/test_cpu_suite_local_torch.log" 2>&1; echo "exit $?" >> "$R/test_cpu_suite_local_torch.log" ) &
 wait
 tail -n 4 "$R/test_kernels_cuda.log" "$R/test_cpu_suite_local_torch.log"
@@ -70,6 +73,12 @@ log "phase 2: qcomm backend, CUDA vs CPU tensors"
 timeout 60 $PY -m bench.crossdevice --out "$R/crossdevice.json" > "$R/crossdevice.log" 2>&1
 echo "exit $?" >> "$R/crossdevice.log"
 grep -v "^\s*return func\|FutureWarning" "$R/crossdevice.log" | tail -n 12
+pack
+
+log "phase 2b: torch's contracts on CUDA (device_id, NCCL ops, functional ops, streams)"
+timeout 90 $PY -m bench.cuda_contracts > "$R/cuda_contracts.log" 2>&1
+echo "exit $?" >> "$R/cuda_contracts.log"
+grep -v "^\s*return func\|FutureWarning" "$R/cuda_contracts.log" | tail -n 12
 pack
 
 log "phase 3a: codec fp32, triton vs torch.compile vs copy"

@@ -397,7 +397,7 @@ def scatter_from(group, out: torch.Tensor, chunks: list[torch.Tensor],
 
     def run_exact():
         inner = I.inner_group(group)
-        send_op, factor, avg = exact_reduce(op, out)
+        send_op, factor, avg = exact_reduce(op, out, inner)
         parts, flat = chunks, inp_flat
         if factor is not None:  # scaled copies: the inputs are never written
             if exact is None:
@@ -426,7 +426,8 @@ def scatter_from(group, out: torch.Tensor, chunks: list[torch.Tensor],
     return run(group, "reduce_scatter", tensor=out, numel=n,
                logical=peer_bytes(world, n * out.element_size()), exact=run_exact,
                compressed=compressed, result=[out], op=op, config=config,
-               can_compress=can_compress, async_op=async_op)
+               can_compress=can_compress, async_op=async_op,
+               keep=[inp_flat] if inp_flat is not None else chunks)
 
 
 @torch.no_grad()
@@ -442,7 +443,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *, config=None
 
     def run_exact():
         inner = I.inner_group(group)
-        send_op, factor, avg = exact_reduce(op, tensor)
+        send_op, factor, avg = exact_reduce(op, tensor, inner)
         if factor is not None:  # the tensor is the output: scaled in place
             tensor.mul_(factor)
         return finish(I.all_reduce(inner, tensor, send_op), async_op, "all_reduce",

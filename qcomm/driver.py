@@ -33,7 +33,7 @@ from . import handshake, purpose
 from . import inner as I
 from .codec import FLOAT_DTYPES
 from .config import CommConfig, QuantConfig, async_enabled, comm_config_from_env
-from .engine import Engine
+from .engine import Engine, on_side_stream
 from .stats import Stats
 from .topology import (
     EXACT,
@@ -94,8 +94,10 @@ class GroupState:
         self.buffers = BufferCache()
         self.stats = Stats()
         self.lock = threading.Lock()
-        # The worker that runs asynchronous compressed calls on CPU (qcomm.engine).
+        # The worker that runs asynchronous compressed calls on CPU, and the streams
+        # that run them on CUDA, one per device index (qcomm.engine).
         self.engine = Engine()
+        self.streams: dict = {}
         # Whether every rank is known to run this config: True for groups made by
         # init_process_group / new_group (checked through the store at creation); plain
         # and wrapped groups check it at their first collective (handshake.ensure_agreed).
@@ -205,12 +207,24 @@ def peer_bytes(world: int, nbytes: int) -> int:
 # Exact calls
 
 
-def exact_reduce(op, tensor: torch.Tensor):
-    """How an exact call runs ``op`` on an inner group that may lack it: returns
-    (the op to send, PREMUL_SUM's factor or None, whether to divide by the world
-    after a SUM). Gloo rejects PREMUL_SUM (the caller scales its inputs by the factor
-    and sends SUM) and float AVG ("Cannot use ReduceOp.AVG with Gloo": SUM, then one
-    division, what NCCL's AVG computes too); integer AVG is left to the inner group."""
+def native_ops(inner, device: torch.device) -> bool:
+    """Whether ``inner``'s backend for ``device`` runs AVG and PREMUL_SUM itself (NCCL)."""
+    try:
+        backend = inner._get_backend(device)
+    except (AttributeError, RuntimeError):
+        return False
+    return type(backend).__name__ == "ProcessGroupNCCL"
+
+
+def exact_reduce(op, tensor: torch.Tensor, inner=None):
+    """How an exact call runs ``op`` on ``inner``: returns (the op to send, PREMUL_SUM's
+    factor or None, whether to divide by the world after a SUM). NCCL runs both ops
+    natively (sent as they are). Gloo rejects PREMUL_SUM (the caller scales its inputs
+    by the factor and sends SUM) and float AVG ("Cannot use ReduceOp.AVG with Gloo":
+    SUM, then one division, what NCCL's AVG computes too); integer AVG is left to the
+    inner group."""
+    if inner is not None and native_ops(inner, tensor.device):
+        return op, None, False
     factor = premul_factor(op)
     if factor is not None:
         return ReduceOp.SUM, factor, False
@@ -222,10 +236,25 @@ def exact_reduce(op, tensor: torch.Tensor):
 def finish(work, async_op: bool, kind: str, rank: int, divide=None):
     """An exact call's result: its Work (async_op) or nothing, once it has completed
     (a failure names the collective; an async Work fails with the inner group's own
-    message when waited for). ``divide=(tensor, k)`` divides the result by k after
-    the wait (AVG run as SUM), so such a call completes before it returns."""
+    message when waited for). ``divide=(tensor, k)`` divides the result by k once the
+    call has finished (AVG run as SUM): an async call's Work does it as its future
+    completes, so it stays asynchronous (where the inner Work has a future)."""
     if async_op and divide is None:
         return work
+    if async_op and work is not None:
+        out, k = divide
+
+        def divided(future):
+            future.value()  # raises the inner call's failure into this Work
+            out.div_(k)
+            return [out]
+
+        try:
+            future = work.get_future()
+        except RuntimeError:  # a Work without a future (gloo's list reduce-scatter): wait
+            future = None
+        if future is not None:
+            return torch._C._distributed_c10d._create_work_from_future(future.then(divided))
     if work is not None:
         I.wait(work, kind, "the exact (uncompressed) call", rank)
     if divide is not None:
@@ -297,14 +326,15 @@ def split_intra(state: GroupState, nbytes: int) -> int:
 
 def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exact,
         compressed, result, op=None, config=None, can_compress: bool = True,
-        async_op: bool = False):
+        async_op: bool = False, keep=()):
     """Run one collective on ``group``: compressed where it can be, else ``exact()``.
 
     ``tensor`` and ``numel`` decide compressibility (:func:`compressible`), ``logical``
     is the bytes the exact collective would send (stats), ``exact()`` runs the
     passthrough and returns its result (:func:`finish`), ``compressed(call)`` runs the
     algorithm and returns (wire bytes, those of them sent inside this rank's node),
-    ``result`` is what a compressed async call's Work holds. ``config`` as
+    ``result`` is what a compressed async call's Work holds (``keep``: the inputs not in
+    ``tensor`` or ``result``, which a CUDA call's stream must keep alive). ``config`` as
     :func:`quant_config`; ``can_compress=False`` forces exact, and so do the group's
     plan (members on one node, :mod:`qcomm.topology`) and its purpose
     (:mod:`qcomm.purpose`: ``qcomm.exact()``, a mesh dimension that is not
@@ -328,8 +358,15 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
             wire, intra = compressed(call)
         state.stats.record(kind, compressed=True, logical=logical, wire=wire, intra=intra)
 
-    if async_op and tensor.device.type == "cpu" and async_enabled():
-        return state.engine.submit(body, result)  # qcomm.engine: off the caller's thread
+    if async_op and async_enabled():
+        if tensor.device.type == "cpu":
+            return state.engine.submit(body, result)  # qcomm.engine: off the caller's thread
+        if tensor.device.type == "cuda":  # on qcomm's stream, after the caller's
+            return on_side_stream(state.streams, body, tensor.device,
+                                  [tensor, *keep, *result], result)
     state.engine.drain()
+    side = state.streams.get(tensor.device.index) if tensor.device.type == "cuda" else None
+    if side is not None:  # after the async calls still on qcomm's stream (shared state)
+        torch.cuda.current_stream(tensor.device).wait_stream(side)
     body()
     return I.completed_work(result) if async_op else None

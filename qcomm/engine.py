@@ -167,3 +167,59 @@ class Works(dist.Work):
 
     def synchronize(self) -> None:
         self.wait()
+
+
+class StreamWork(dist.Work):
+    """The Work of a compressed call queued on qcomm's own CUDA stream (NCCL's contract):
+    ``wait()`` makes the waiting thread's current stream wait for the call, without
+    blocking the host; ``is_completed()`` asks the event; ``get_future()`` is CUDA-aware
+    (a consumer's ``wait()`` orders its stream after the call)."""
+
+    def __init__(self, stream, result, device: torch.device) -> None:
+        super().__init__()
+        self._event = torch.cuda.Event()
+        self._event.record(stream)
+        self._device = device
+        self._result = result
+        self._future = torch.futures.Future(devices=[device])
+        with torch.cuda.stream(stream):
+            self._future.set_result(result)  # records the stream's progress for waiters
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        torch.cuda.current_stream(self._device).wait_event(self._event)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._event.query()
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def exception(self):
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def result(self):
+        return self._result
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+
+
+def on_side_stream(streams: dict, body, device: torch.device, tensors, result) -> StreamWork:
+    """Run ``body()`` (which queues CUDA work) on the group's stream for ``device`` after
+    what the caller's stream has queued; ``tensors`` (inputs and outputs, allocated on
+    the caller's stream) are marked used by that stream, so the caching allocator does
+    not hand their memory out again before the call has passed."""
+    stream = streams.get(device.index)
+    if stream is None:
+        stream = streams[device.index] = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    for t in tensors:
+        if t.is_cuda:
+            t.record_stream(stream)
+    with torch.cuda.stream(stream):
+        body()
+    return StreamWork(stream, result, device)

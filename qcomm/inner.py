@@ -105,23 +105,54 @@ def _inner_map(spec: str | None) -> dict[str, str]:
     return mapping
 
 
-def _make_backend(name: str, store, rank: int, size: int, timeout):
+def _option_types() -> dict[str, type]:
+    """The options type each inner backend's constructor takes, where torch has it."""
+    types = {}
+    gloo = getattr(dist.ProcessGroupGloo, "_Options", None)
+    if gloo is not None:
+        types["gloo"] = gloo
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    if nccl is not None:
+        types["nccl"] = nccl.Options
+    return types
+
+
+def check_options(options) -> None:
+    """``pg_options`` for a qcomm group go to the inner backend they are made for
+    (``ProcessGroupNCCL.Options``, ``ProcessGroupGloo._Options``); others are refused."""
+    types = _option_types()
+    if options is not None and not isinstance(options, tuple(types.values())):
+        raise TypeError(
+            "qcomm: pg_options must be the options of an inner backend ("
+            + " or ".join(t.__qualname__ for t in types.values())
+            + f"), got {type(options).__name__}")
+
+
+def _make_backend(name: str, store, rank: int, size: int, timeout, options=None):
+    """Backend ``name``; ``options`` are the user's when they are of its type."""
+    if not isinstance(options, _option_types().get(name, ())):
+        options = None
     if name == "gloo":
+        if options is not None:
+            options._timeout = timeout
+            return dist.ProcessGroupGloo(store, rank, size, options)
         return dist.ProcessGroupGloo(store, rank, size, timeout)
-    opts = dist.ProcessGroupNCCL.Options()
+    opts = options if options is not None else dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     return dist.ProcessGroupNCCL(store, rank, size, opts)
 
 
-def make_inner(store, rank: int, size: int, timeout, spec: str | None) -> dist.ProcessGroup:
-    """A plain ProcessGroup with real backends per device, as torch builds one."""
+def make_inner(store, rank: int, size: int, timeout, spec: str | None, *,
+               options=None) -> dist.ProcessGroup:
+    """A plain ProcessGroup with real backends per device, as torch builds one;
+    ``options`` (the user's ``pg_options``) go to the backend they are made for."""
     pg = dist.ProcessGroup(store, rank, size)
     made: dict[str, object] = {}
     mapping = _inner_map(spec)
     for device, name in mapping.items():
         if name not in made:
             made[name] = _make_backend(name, dist.PrefixStore(f"inner/{name}/", store),
-                                       rank, size, timeout)
+                                       rank, size, timeout, options)
         pg._register_backend(torch.device(device), _INNER_TYPES[name], made[name])
     first = next(iter(mapping.values()))
     pg._set_default_backend(_INNER_TYPES[first])

@@ -283,10 +283,14 @@ for _name in ("alltoall", "broadcast", "barrier", "send", "recv", "recv_anysourc
 # ---------------------------------------------------------------------------------
 # Inner groups and registration
 
-def _create(store, rank: int, size: int, timeout) -> QcommProcessGroup:
-    """The creator ``init_process_group("qcomm")`` / ``new_group`` call."""
+def _create(opts, pg_options=None) -> QcommProcessGroup:
+    """The creator ``init_process_group("qcomm")`` / ``new_group`` call (torch's extended
+    API: ``opts`` carries store, rank, size and timeout; ``pg_options`` the user's
+    backend options, passed to the inner backend they are made for)."""
+    store, rank, size, timeout = opts.store, opts.group_rank, opts.group_size, opts.timeout
+    I.check_options(pg_options)
     config = comm_config_from_env()  # a bad QCOMM_* value fails here, naming it
-    inner = I.make_inner(store, rank, size, timeout, config.inner)
+    inner = I.make_inner(store, rank, size, timeout, config.inner, options=pg_options)
     nodes = handshake.check_at_creation(store, rank, size, config, node_key())
     pg = QcommProcessGroup(inner, config)
     state = pg._qcomm_state
@@ -300,7 +304,8 @@ def register() -> None:
     """Register the ``"qcomm"`` backend (idempotent; ``import qcomm`` does it)."""
     if BACKEND_NAME.upper() in getattr(dist.Backend, "_plugins", {}):
         return
-    dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True,
+                                  devices=["cpu", "cuda"])
 
 
 def wrap(group=None, config: CommConfig | None = None) -> QcommProcessGroup:

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed import ReduceOp
 
 import qcomm
 from tests.conftest import make, run_ranks
@@ -225,3 +226,39 @@ def test_functional_ops_on_a_qcomm_group():
         assert errs[op] == 0.0, (op, errs)
     for op, err in errs.items():
         assert err < 0.02, (op, errs)
+
+
+def _avg_body(rank, world):
+    """An exact AVG on gloo (SUM, then a division) stays asynchronous: the Work does
+    the division when the sum arrives."""
+    store = _store()
+    t = torch.full((64,), float(rank + 1))  # under min_numel: exact
+    if rank == 1:
+        time.sleep(1.0)
+        store.set("joined", "1")
+    work = dist.all_reduce(t, ReduceOp.AVG, async_op=True)
+    early = not store.check(["joined"])
+    work.wait()
+    return early, t.tolist()
+
+
+def test_exact_avg_stays_asynchronous():
+    early, values = run_ranks(_avg_body, 2)[0]
+    assert early
+    assert values == [1.5] * 64
+
+
+def _options_body(rank, world):
+    gloo_options = dist.ProcessGroupGloo._Options()
+    gloo_options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    gloo_options._threads = 1
+    group = dist.new_group(backend="qcomm", pg_options=gloo_options)
+    t = make(rank, 100)
+    dist.all_reduce(t, group=group)
+    with pytest.raises(TypeError, match="pg_options must be the options of an inner backend"):
+        dist.new_group(backend="qcomm", pg_options=object())
+    return torch.allclose(t, make(0, 100) + make(1, 100))
+
+
+def test_pg_options_for_the_inner_backend_or_refused():
+    assert all(run_ranks(_options_body, 2))
