@@ -479,11 +479,25 @@ def target_lines(rows: list[dict]) -> list[str]:
                 where = "; " + ", ".join(f"{k} {row[f'{k}_us'] / 1e3:.1f} ms"
                                          for k in (*PHASES, "other"))
                 where += f" of {row['time_us'] / 1e3:.1f} ms"
+            hidden = ""
+            if "quant_us" in row and row["xfer_us"]:
+                # issue 20: the codec hidden behind the wire, call <= 1.15 max(codec, xfer)
+                codec = row["quant_us"] + row["dequant_us"]
+                bound = row["time_us"] / max(codec, row["xfer_us"])
+                ok = "met" if bound <= OVERLAP_BOUND else "short"
+                if row["link"] == "loopback":
+                    ok = "not judged on loopback"
+                hidden = (f"; time / max(codec {codec / 1e3:.1f}, xfer "
+                          f"{row['xfer_us'] / 1e3:.1f} ms) = {bound:.2f} (<= {OVERLAP_BOUND}: "
+                          f"{ok})")
             lines.append(
                 f"# {row['link']:>8} {row['collective']:14s} {common.human_bytes(row['size']):>9} "
                 f"{row['variant']}: speedup {row['speedup']:.2f}x / ratio {row['ratio']:.2f}x = "
-                f"{frac:.2f} ({verdict(frac, row['link'])}){where}")
+                f"{frac:.2f} ({verdict(frac, row['link'])}){where}{hidden}")
     return lines
+
+
+OVERLAP_BOUND = 1.15  # issue 20: a compressed call <= 1.15 x max(codec time, transfer time)
 
 
 def verdict(frac: float, link: str) -> str:

@@ -73,25 +73,47 @@ _RedOpType = ReduceOp.RedOpType
 def packed_all_gather(call: Call, outs: list[torch.Tensor], inp: torch.Tensor, seed: int, *,
                       check=None, accumulate: bool = False) -> int:
     """All-gather ``inp`` from every rank into ``outs[r]`` as payloads (``accumulate``:
-    added into fp32 ``outs``); returns the payload's size (bytes this rank sends each
-    peer). ``check``, a started descriptor check, is finished after the quantize and
-    before anything is sent or written."""
+    added into fp32 ``outs``); returns the bytes this rank sends each peer. ``check``, a
+    started descriptor check, is finished after the first quantize and before anything
+    is sent or written.
+
+    A shard of more than :data:`PIECE` elements goes as a pipeline of pieces, one
+    payload each (seeds ``seed ^ p << 56``; piece 0's is ``seed``, so a one-piece call
+    sends what an unsplit one would): piece p is quantized while piece p - 1 is on the
+    wire (gloo sends on its own threads), and decoded while the later ones travel.
+    Every quantize precedes every output write (FSDP2's input is a view into its
+    output)."""
     n, world, q = inp.numel(), len(outs), call.q
-    nbytes = packed_nbytes(n, q)
-    send = call.buffer("ag_send", nbytes, torch.uint8, inp.device)
-    recv = call.buffer("ag_recv", world * nbytes, torch.uint8, inp.device)
-    quantize(inp, q, seed=seed, out=send)  # reads inp first
-    if check is not None:
-        check.finish()
-    I.wait(I.all_gather(call.inner, recv, send), call.kind,
-           f"the all-gather of {nbytes}-byte payloads", call.rank)
-    rows = recv.view(world, nbytes)
-    call.check_received(rows, n, inp.dtype)
-    for r, out in enumerate(outs):
-        # payload sizes are multiples of 16 bytes: every row's fp32 meta view is aligned
-        dequantize(Packed(rows[r], n, inp.dtype, q), out=out, accumulate=accumulate,
-                   check=False)
-    return nbytes
+    flat_in = inp.reshape(-1)
+    flat_out = [o.view(-1) for o in outs]
+    parts = pieces(n, q.bucket_size)
+    sizes = [packed_nbytes(b - a, q) for a, b in parts]
+    total = sum(sizes)
+    send = call.buffer("ag_send", total, torch.uint8, inp.device)
+    recv = call.buffer("ag_recv", world * total, torch.uint8, inp.device)
+    inflight, start = [], 0
+    for p, (a, b) in enumerate(parts):
+        nbytes = sizes[p]
+        mine = send[start:start + nbytes]
+        quantize(flat_in[a:b], q, seed=seed ^ (p << 56), out=mine)
+        if p == 0 and check is not None:
+            check.finish()
+        got = recv[world * start: world * (start + nbytes)]
+        inflight.append(I.start(I.all_gather, call.kind, "the all-gather of payloads",
+                                call.rank, call.inner, got, mine))
+        start += nbytes
+    start = 0
+    for p, (a, b) in enumerate(parts):
+        nbytes = sizes[p]
+        I.wait(inflight[p], call.kind, f"the all-gather of {nbytes}-byte payloads", call.rank)
+        rows = recv[world * start: world * (start + nbytes)].view(world, nbytes)
+        call.check_received(rows, b - a, inp.dtype)
+        for r, out in enumerate(flat_out):
+            # payload sizes are multiples of 16 bytes: every row's fp32 meta view is aligned
+            dequantize(Packed(rows[r], b - a, inp.dtype, q), out=out[a:b],
+                       accumulate=accumulate, check=False)
+        start += nbytes
+    return total
 
 
 @torch.no_grad()
@@ -99,42 +121,61 @@ def packed_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list[in
                           check=None, residuals: list[torch.Tensor] | None = None
                           ) -> tuple[torch.Tensor, int]:
     """Sum ``chunks[j]`` of every rank into rank j; returns (fp32 sum of this rank's
-    chunk, in a scratch buffer; payload size per chunk). ``check`` as in
-    :func:`packed_all_gather`. ``residuals`` (error feedback): fp32, one per chunk;
+    chunk, in a scratch buffer; bytes sent to each peer). ``check`` as in
+    :func:`packed_all_gather`, and piece by piece like it: piece p's peer chunks are
+    quantized while piece p - 1's all-to-all is on the wire, and decoded into the sum
+    while the later ones travel. ``residuals`` (error feedback): fp32, one per chunk;
     what the last call's quantization left out is added to each peer chunk before it
     is quantized, and what this one leaves out replaces it."""
     world, rank, q = len(chunks), call.rank, call.q
     n = chunks[0].numel()
     dtype, device = chunks[0].dtype, chunks[0].device
-    nbytes = packed_nbytes(n, q)
-    send = call.buffer("rs_send", world * nbytes, torch.uint8, device).view(world, nbytes)
-    recv = call.buffer("rs_recv", world * nbytes, torch.uint8, device)
-    for j, chunk in enumerate(chunks):
-        if j == rank:  # the own chunk stays exact; its slot only travels to itself
-            continue
-        if residuals is None:
-            quantize(chunk, q, seed=seeds[j], out=send[j])
-            continue
-        fed = residuals[j].add_(chunk.reshape(-1))  # the residual becomes what is owed
-        quantize(fed.to(dtype), q, seed=seeds[j], out=send[j])
-        sent = call.buffer("rs_sent", n, torch.float32, device).zero_()
-        dequantize(Packed(send[j], n, dtype, q), out=sent, accumulate=True, check=False)
-        # A non-finite gradient is sent as it is (its bucket decodes NaN: GradScaler
-        # sees the overflow and skips the step) but not owed: an inf kept in the
-        # residual would poison every later step of this chunk.
-        fed.sub_(sent).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    if check is not None:
-        check.finish()
-    I.wait(I.all_to_all(call.inner, recv, send.view(-1)), call.kind,
-           f"the all-to-all of {nbytes}-byte payloads", rank)
-    rows = recv.view(world, nbytes)
-    call.check_received(rows, n, dtype, skip=rank)
+    flat = [c.reshape(-1) for c in chunks]
+    parts = pieces(n, q.bucket_size)
+    sizes = [packed_nbytes(b - a, q) for a, b in parts]
+    total = sum(sizes)
+    send_all = call.buffer("rs_send", world * total, torch.uint8, device)
+    recv_all = call.buffer("rs_recv", world * total, torch.uint8, device)
+    inflight, start = [], 0
+    for p, (a, b) in enumerate(parts):
+        nbytes = sizes[p]
+        send = send_all[world * start: world * (start + nbytes)].view(world, nbytes)
+        for j in range(world):
+            if j == rank:  # the own chunk stays exact; its slot only travels to itself
+                continue
+            seed = seeds[j] ^ (p << 56)
+            if residuals is None:
+                quantize(flat[j][a:b], q, seed=seed, out=send[j])
+                continue
+            fed = residuals[j][a:b].add_(flat[j][a:b])  # the residual becomes what is owed
+            quantize(fed.to(dtype), q, seed=seed, out=send[j])
+            sent = call.buffer("rs_sent", b - a, torch.float32, device).zero_()
+            dequantize(Packed(send[j], b - a, dtype, q), out=sent, accumulate=True,
+                       check=False)
+            # A non-finite gradient is sent as it is (its bucket decodes NaN: GradScaler
+            # sees the overflow and skips the step) but not owed: an inf kept in the
+            # residual would poison every later step of this chunk.
+            fed.sub_(sent).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        if p == 0 and check is not None:
+            check.finish()
+        recv = recv_all[world * start: world * (start + nbytes)]
+        inflight.append(I.start(I.all_to_all, call.kind, "the all-to-all of payloads", rank,
+                                call.inner, recv, send.view(-1)))
+        start += nbytes
     acc = call.buffer("rs_acc", n, torch.float32, device)
-    acc.copy_(chunks[rank].reshape(-1))
-    for j in range(world):
-        if j != rank:
-            dequantize(Packed(rows[j], n, dtype, q), out=acc, accumulate=True, check=False)
-    return acc, nbytes
+    start = 0
+    for p, (a, b) in enumerate(parts):
+        nbytes = sizes[p]
+        I.wait(inflight[p], call.kind, f"the all-to-all of {nbytes}-byte payloads", rank)
+        rows = recv_all[world * start: world * (start + nbytes)].view(world, nbytes)
+        call.check_received(rows, b - a, dtype, skip=rank)
+        acc[a:b].copy_(flat[rank][a:b])
+        for j in range(world):
+            if j != rank:
+                dequantize(Packed(rows[j], b - a, dtype, q), out=acc[a:b], accumulate=True,
+                           check=False)
+        start += nbytes
+    return acc, total
 
 
 # ---------------------------------------------------------------------------------
@@ -143,11 +184,12 @@ def packed_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list[in
 # index l on node k; ranks may be in any order.
 
 
-# Elements per piece of a two-level call: the levels run as a pipeline over pieces, the
-# exact exchange inside the node of piece p + 1 (gloo's own threads) while piece p's
-# compressed exchange crosses nodes. 2^19 fp32 elements are a 0.5 MiB payload at 8 bits
-# (42 ms at 100 Mbit/s, 4 ms at 1 Gbit/s): 4 pieces for an 8 MiB shard. Rounded to whole
-# buckets, so pieces quantize exactly as the unsplit chunk would.
+# Elements per piece: every large call runs as a pipeline over pieces, the codec of one
+# piece (flat), or the exact exchange inside the node (two-level), while another piece
+# crosses the wire on gloo's own threads. 2^19 fp32 elements are a 0.5 MiB payload at 8
+# bits (42 ms at 100 Mbit/s, 4 ms at 1 Gbit/s): 4 pieces for an 8 MiB shard, against
+# ~0.1-0.3 ms of fixed cost per piece (one inner collective, one codec call per payload).
+# Rounded to whole buckets, so pieces quantize exactly as the unsplit chunk would.
 PIECE = 1 << 19
 
 

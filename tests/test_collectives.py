@@ -288,3 +288,70 @@ def test_single_rank_group_is_exact():
         assert qcomm.stats()["all_reduce"].calls_exact == 1
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------
+# Pieces: a large call as a pipeline (one payload and one inner collective per piece)
+
+
+class _Work:
+    def __init__(self, work, log, tag):
+        self._work, self._log, self._tag = work, log, tag
+
+    def wait(self, *args):
+        self._log.append(("wait", self._tag))
+        return self._work.wait(*args)
+
+
+class PipelineRecorder(Recorder):
+    """Records when each payload collective starts and when it is waited for."""
+
+    def __init__(self, real):
+        super().__init__(real)
+        self.events: list[tuple[str, int]] = []
+
+    def _started(self, work):
+        tag = len([e for e in self.events if e[0] == "start"])
+        self.events.append(("start", tag))
+        return _Work(work, self.events, tag)
+
+    def all_gather_single(self, out, inp, opts):
+        work = super().all_gather_single(out, inp, opts)
+        return work if inp.numel() == DESC_NBYTES else self._started(work)
+
+    def all_to_all_single(self, out, inp, out_splits, in_splits, opts):
+        return self._started(super().all_to_all_single(out, inp, out_splits, in_splits, opts))
+
+
+def _pieces_body(rank, world, piece):
+    qcomm.collectives.PIECE = piece
+    res = _compressed_body(rank, world, Q8, torch.float32, 3001)  # the flat bound holds
+    rec = PipelineRecorder(dist.group.WORLD)
+    pg = qcomm.wrap(dist.group.WORLD, CommConfig(all_gather=Q8, reduce_scatter=Q8))
+    pg.inner = rec
+    qcomm.all_gather_into_tensor(torch.empty(world * 3001), make(rank, 3001), pg)
+    rec.events.clear()  # the group's first call also agrees on the config
+    qcomm.stats(pg, reset=True)
+    qcomm.all_gather_into_tensor(torch.empty(world * 3001), make(rank, 3001), pg)
+    res["ag_events"], rec.events[:] = list(rec.events), []
+    qcomm.reduce_scatter_tensor(torch.empty(3001), make(rank, world * 3001), group=pg)
+    res["rs_events"] = list(rec.events)
+    res["wire"] = qcomm.stats(pg)["all_gather"].wire_bytes
+    return res
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_flat_pieces_pipeline_within_bound(world):
+    """3001 elements in pieces of 1024 (3 pieces, the last partial): every piece's
+    exchange starts before the first is waited for (the codec of one piece runs while
+    another is on the wire), results stay within the flat bound and identical across
+    ranks, and each piece is one payload on the wire."""
+    results = run_ranks(_pieces_body, world, 1024, backend="gloo")
+    sizes = [1024, 1024, 953]
+    pipelined = [("start", 0), ("start", 1), ("start", 2),
+                 ("wait", 0), ("wait", 1), ("wait", 2)]
+    for r in results:
+        assert torch.equal(r["ag"], results[0]["ag"]) and torch.equal(r["ar"], results[0]["ar"])
+        assert r["ag_events"] == pipelined, r["ag_events"]
+        assert r["rs_events"] == pipelined, r["rs_events"]
+        assert r["wire"] == (world - 1) * sum(packed_nbytes(m, Q8) for m in sizes)
