@@ -22,6 +22,7 @@ leaves them in step, and the group goes on.
 from __future__ import annotations
 
 import concurrent.futures
+import queue
 import threading
 from datetime import timedelta
 
@@ -77,28 +78,44 @@ class AsyncWork(dist.Work):
 
 
 class Engine:
-    """A group's worker: runs submitted calls one at a time, in submission order."""
+    """A group's worker: runs submitted calls one at a time, in submission order, on one
+    daemon thread (a call stuck on a dead peer must not keep the process from exiting;
+    its group's timeout ends it)."""
 
     def __init__(self, name: str = "qcomm") -> None:
         self._name = name
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._queue: queue.SimpleQueue | None = None
         self._last: concurrent.futures.Future | None = None
         self._failed: BaseException | None = None
         self._lock = threading.Lock()
-        self._worker: int | None = None  # the worker thread's ident, once it has run
+        self._worker: int | None = None  # the worker thread's ident
 
     def submit(self, fn, result) -> AsyncWork:
         """Run ``fn()`` after every call submitted before it; its Work holds ``result``."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix=self._name)
-            future = self._pool.submit(self._run, fn)
+            if self._queue is None:
+                self._queue = queue.SimpleQueue()
+                thread = threading.Thread(target=self._loop, args=(self._queue,),
+                                          name=self._name, daemon=True)
+                thread.start()
+                self._worker = thread.ident
             self._last = future
+            self._queue.put((fn, future))
         return AsyncWork(future, result)
 
+    def _loop(self, jobs: queue.SimpleQueue) -> None:
+        while (job := jobs.get()) is not None:
+            fn, future = job
+            future.set_running_or_notify_cancel()
+            try:
+                self._run(fn)
+            except BaseException as err:  # noqa: BLE001 (delivered through the Work)
+                future.set_exception(err)
+            else:
+                future.set_result(None)
+
     def _run(self, fn) -> None:
-        self._worker = threading.get_ident()
         if self._failed is not None:
             raise dist.DistBackendError(
                 "qcomm: not run: an earlier compressed call on this group failed, which "
@@ -112,10 +129,6 @@ class Engine:
             self._failed = err
             raise
 
-    def busy(self) -> bool:
-        last = self._last
-        return last is not None and not last.done()
-
     def drain(self) -> None:
         """Wait for the calls in flight (their errors stay with their Works)."""
         last = self._last
@@ -123,10 +136,11 @@ class Engine:
             concurrent.futures.wait([last])
 
     def shutdown(self) -> None:
+        """Stop the worker once the calls already submitted have run."""
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            jobs, self._queue = self._queue, None
+        if jobs is not None:
+            jobs.put(None)
 
 
 class Works(dist.Work):
