@@ -1,6 +1,7 @@
 """``python -m bench <what> [options]``: one entry point for every benchmark.
 
     python -m bench codec                       # quantize/dequantize vs memcpy
+    python -m bench rows                        # one codec call per payload vs per piece
     python -m bench collectives                 # ranks on loopback (self-launched)
     python -m bench collectives --link 1gbit    # two namespaces behind a shaped link
     python -m bench train                       # FSDP2 training, exact vs quantized
@@ -23,7 +24,7 @@ import sys
 
 import torch
 
-from . import codec, collectives, common, overlap, train
+from . import codec, collectives, common, overlap, rows, train
 
 
 def parser() -> argparse.ArgumentParser:
@@ -31,8 +32,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
-    for name, module in (("codec", codec), ("collectives", collectives), ("overlap", overlap),
-                         ("train", train)):
+    for name, module in (("codec", codec), ("rows", rows), ("collectives", collectives),
+                         ("overlap", overlap), ("train", train)):
         summary = " ".join(module.__doc__.split("\n\n")[0].split()).split(": ", 1)[-1]
         q = sub.add_parser(name, help=summary,
                            description=module.__doc__,

@@ -254,11 +254,9 @@ def main(args) -> int:
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    header = common.run_header("codec", device=str(device), command=args.command)
-    header["cpu"]["torch_threads"] = torch.get_num_threads()
-    header["sweep"] = {"sizes": args.sizes, "bits": args.bits, "schemes": args.schemes,
-                       "dtypes": args.dtypes, "iters": args.iters, "budget_s": args.budget}
-    print(common.format_header(header), flush=True)
+    header = common.start_local("codec", args, {
+        "sizes": args.sizes, "bits": args.bits, "schemes": args.schemes, "dtypes": args.dtypes,
+        "iters": args.iters, "budget_s": args.budget})
     rows = run(args)
     # the providers that measured anything (one that failed at its first point is gone)
     impls = [i for i in available_impls(device, args.impls)[0]

@@ -279,6 +279,16 @@ def run_header(what: str, *, device: str, link: str | None = None,
     }
 
 
+def start_local(what: str, args, sweep: dict) -> dict:
+    """The header of a one-process benchmark on ``args.device`` (its torch threads and
+    ``sweep`` recorded), printed; returns it."""
+    header = run_header(what, device=str(torch.device(args.device)), command=args.command)
+    header["cpu"]["torch_threads"] = torch.get_num_threads()
+    header["sweep"] = sweep
+    print(format_header(header), flush=True)
+    return header
+
+
 def machine_name(header: dict) -> str:
     """Folder name for committed results: the GPU, else the CPU model and core count."""
     if header["gpus"]:

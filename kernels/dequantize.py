@@ -43,8 +43,33 @@ def _dequantize_kernel(
     LEVELS: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     WIDE: tl.constexpr,  # n >= 2^31: int64 element indices
+    meta_row,  # row strides: grid axis 1 decodes payload row r into output row r
+    codes_row,
+    out_row,
 ):
+    r = tl.program_id(1).to(tl.int64)  # 0 for one payload (strides 0)
+    meta_ptr += r * meta_row
+    codes_ptr += r * codes_row
+    out_ptr += r * out_row
     bucket, row, rmask, index, valid = bucket_tile(n, n_rows, B, R, RBLOCK, WIDE, B // R, 0)
+    y = decode_tile(meta_ptr, codes_ptr, bucket, row, rmask, BITS, R, WORD, SCHEME, LEVELS)
+    if ACCUMULATE:
+        y = y + tl.load(out_ptr + index, mask=valid, other=0.0)
+    store_cast(out_ptr, index, valid, y)
+
+
+@triton.jit
+def store_cast(out_ptr, index, valid, y):
+    """Store fp32 ``y`` into ``out_ptr``'s dtype (bf16 rounded as torch rounds)."""
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        y = _to_bf16_rne(y)
+    tl.store(out_ptr + index, y.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def decode_tile(meta_ptr, codes_ptr, bucket, row, rmask, BITS: tl.constexpr, R: tl.constexpr,
+                WORD: tl.constexpr, SCHEME: tl.constexpr, LEVELS: tl.constexpr):
+    """The fp32 values of this program's bucket tile of one payload."""
     k = load_unpack(codes_ptr, row, rmask, BITS, R, WORD)
     if SCHEME == 0:
         mn = tl.load(meta_ptr + bucket * 2)
@@ -64,22 +89,23 @@ def _dequantize_kernel(
         # makes a negative zero level +0.0 where torch gives -0.0 (seen on an H200).
         sign = (k >> (BITS - 1)).to(tl.uint32) << 31
         y = (mag.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    if ACCUMULATE:
-        y = y + tl.load(out_ptr + index, mask=valid, other=0.0)
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        y = _to_bf16_rne(y)
-    tl.store(out_ptr + index, y.to(out_ptr.dtype.element_ty), mask=valid)
+    return y
 
 
 def dequantize(meta: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, config,
                accumulate: bool) -> None:
-    """Decode into 1-D contiguous ``out`` (fp32 when ``accumulate``); checked by qcomm.codec."""
-    n = out.numel()
-    if n == 0:
+    """Decode into 1-D contiguous ``out`` (fp32 when ``accumulate``); or rows (``meta``,
+    ``codes`` [R, ...] views of R payloads, ``out`` [R, n]) in one launch over a
+    (bucket, row) grid. Checked by qcomm.codec."""
+    many = out.dim() == 2
+    n = out.shape[-1]
+    if n == 0 or out.numel() == 0:
         return
+    strides = dict(meta_row=meta.stride(0), codes_row=codes.stride(0),
+                   out_row=out.stride(0)) if many else dict(meta_row=0, codes_row=0, out_row=0)
     sid = effective_scheme_id(config.scheme, config.bits)
-    _dequantize_kernel[(-(-n // config.bucket_size),)](
-        meta, codes, out, n, SCHEME=sid, LEVELS=levels(sid, config.bits),
+    _dequantize_kernel[(-(-n // config.bucket_size), out.shape[0] if many else 1)](
+        meta, codes, out, n, SCHEME=sid, LEVELS=levels(sid, config.bits), **strides,
         ACCUMULATE=accumulate, **tile_args(config, n, out.element_size()),
         enable_fp_fusion=False,  # mn + k * step must round as torch does (no FMA)
     )

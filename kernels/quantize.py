@@ -141,7 +141,21 @@ def _quantize_kernel(
     STOCHASTIC: tl.constexpr,  # stochastic rounding, else nearest
     WIDE: tl.constexpr,  # n >= 2^31: int64 element indices
     PAIRED: tl.constexpr,  # B // 2 is whole rows: one tile per half bucket
+    keys_ptr,  # *int32 [R]: each payload row's key (MANY)
+    skip,  # MANY: the row left out (R if none); program p writes row p + (p >= skip)
+    x_row,  # MANY: row strides of x (elements), meta (fp32 words), codes (bytes)
+    meta_row,
+    codes_row,
+    MANY: tl.constexpr,  # rows: grid axis 1 is the payload row, each with its own key
 ):
+    if MANY:
+        r = tl.program_id(1)
+        r = r + (r >= skip).to(tl.int32)
+        key = tl.load(keys_ptr + r)
+        r = r.to(tl.int64)  # payload rows of a 2^31-byte buffer: int64 offsets
+        x_ptr += r * x_row
+        meta_ptr += r * meta_row
+        codes_ptr += r * codes_row
     H: tl.constexpr = B // 2
     if PAIRED:
         HR: tl.constexpr = H // R  # rows per half
@@ -176,18 +190,31 @@ def _quantize_kernel(
     pack_store(codes_ptr, tl.where(valid, codes, 0), row, rmask, BITS, R, WORD)
 
 
-def quantize(x: torch.Tensor, meta: torch.Tensor, codes: torch.Tensor, config, key: int) -> None:
-    """Launch the fused quantize of 1-D contiguous ``x`` into ``meta`` and ``codes``.
+def quantize(x: torch.Tensor, meta: torch.Tensor, codes: torch.Tensor, config,
+             key: int | list[int], skip: int | None = None) -> None:
+    """Launch the fused quantize of 1-D contiguous ``x`` into ``meta`` and ``codes``; or,
+    rows (``x`` [R, n], ``meta`` and ``codes`` [R, ...] views of R payloads, ``key`` R
+    keys), every row but ``skip`` in one launch over a (bucket, row) grid.
 
     Shapes and dtypes are checked by ``qcomm.codec`` (the one caller); this writes
     ``meta`` (fp32) and ``codes`` (uint8) in place and never writes ``x``.
     """
-    n = x.numel()
-    if n == 0:
+    many = x.dim() == 2
+    n = x.shape[-1]
+    rows = (x.shape[0] - (skip is not None)) if many else 1
+    if n == 0 or rows == 0:
         return
+    if many:
+        keys = torch.tensor(key, dtype=torch.int32).to(x.device, non_blocking=True)
+        strides = dict(keys_ptr=keys, skip=x.shape[0] if skip is None else skip,
+                       x_row=x.stride(0), meta_row=meta.stride(0), codes_row=codes.stride(0))
+        key = 0
+    else:  # keys_ptr unread
+        strides = dict(keys_ptr=meta, skip=0, x_row=0, meta_row=0, codes_row=0)
     sid = effective_scheme_id(config.scheme, config.bits)
-    _quantize_kernel[(-(-n // config.bucket_size),)](
-        x, meta, codes, n, key=key, SCHEME=sid, LEVELS=levels(sid, config.bits),
+    _quantize_kernel[(-(-n // config.bucket_size), rows)](
+        x, meta, codes, n, key=key, SCHEME=sid, LEVELS=levels(sid, config.bits), MANY=many,
+        **strides,
         L2=config.norm == "l2", STOCHASTIC=config.rounding == "stochastic",
         **tile_args(config, n, x.element_size(), halves=True),
         # A fused multiply-add rounds once where torch rounds twice and would flip a

@@ -7,7 +7,15 @@
 
 __version__ = "0.1.0"
 
-from .codec import Packed, dequantize, describe, quantize  # noqa: E402
+from .codec import (  # noqa: E402
+    Packed,
+    dequantize,
+    dequantize_rows,
+    dequantize_sum,
+    describe,
+    quantize,
+    quantize_rows,
+)
 from .collectives import all_gather_into_tensor, all_reduce, reduce_scatter_tensor  # noqa: E402
 from .config import CommConfig, QuantConfig, comm_config_from_env  # noqa: E402
 from .layout import packed_nbytes  # noqa: E402
@@ -27,9 +35,12 @@ __all__ = [
     "all_reduce",
     "comm_config_from_env",
     "dequantize",
+    "dequantize_rows",
+    "dequantize_sum",
     "describe",
     "exact",
     "packed_nbytes",
+    "quantize_rows",
     "quantize",
     "reduce_scatter_tensor",
     "stats",

@@ -24,7 +24,9 @@ written.
 
 from __future__ import annotations
 
+import collections
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +41,11 @@ from .layout import DTYPE_IDS, HEADER_NBYTES, packed_nbytes
 
 IMPLS = ("triton", "torch", "eager")
 FLOAT_DTYPES = tuple(DTYPE_IDS)
+REDUCE_OPS = ("sum", "avg", "premul")
+
+# Codec calls made in this process, by entry point (what a collective's launch count
+# is measured by: tests/test_collectives.py counts them at several world sizes).
+calls = collections.Counter()
 
 
 @dataclass(frozen=True)
@@ -115,15 +122,17 @@ def _select_impl(device: torch.device, impl: str | None) -> str:
 
 @functools.cache
 def _launchers(path: str):
-    """(quantize, dequantize) of one path, with the same signatures."""
+    """(quantize, dequantize, dequantize_sum) of one path, with the same signatures."""
     if path == "triton":
         from .kernels import dequantize as kd
+        from .kernels import dequantize_sum as ks
         from .kernels import quantize as kq
 
-        return kq.quantize, kd.dequantize
+        return kq.quantize, kd.dequantize, ks.dequantize_sum
     wrap = compiled if path == "torch" else cpu._common.eager
     return (functools.partial(cpu_quantize.quantize, wrap=wrap),
-            functools.partial(cpu_dequantize.dequantize, wrap=wrap))
+            functools.partial(cpu_dequantize.dequantize, wrap=wrap),
+            functools.partial(cpu_dequantize.dequantize_sum, wrap=wrap))
 
 
 def _check_config(config) -> QuantConfig:
@@ -158,6 +167,7 @@ def quantize(
     seed = config.seed if seed is None else seed
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {seed!r}")
+    calls["quantize"] += 1
     path = _select_impl(x.device, impl)
     n = x.numel()
     nbytes = packed_nbytes(n, config)
@@ -184,7 +194,7 @@ def quantize(
     flat = x if x.dim() == 1 else x.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    encode, _ = _launchers(path)
+    encode = _launchers(path)[0]
     encode(flat, packed.meta(), packed.codes(), config, seed_key(seed))
     return packed
 
@@ -240,6 +250,7 @@ def dequantize(
     """
     if check:
         _check_payload(packed)
+    calls["dequantize"] += 1
     n = packed.numel
     device = packed.payload.device
     path = _select_impl(device, impl)
@@ -270,3 +281,176 @@ def dequantize(
         cpu._common.store(result, tmp.view(result.shape), accumulate)
     return result
 
+
+
+# ---------------------------------------------------------------------------------
+# Rows: R payloads of one size in one call (what a collective sends to or gets from R
+# peers). Row r of a [R, nbytes] uint8 buffer is one whole payload, the bytes
+# quantize() writes for that row alone with that row's seed: batching changes the
+# number of launches, not the wire.
+
+
+def _payload_views(rows: torch.Tensor, numel: int, config: QuantConfig):
+    """(meta [R, words * buckets] fp32, codes [R, codes bytes]) views of payload rows."""
+    start = HEADER_NBYTES + layout.meta_nbytes(numel, config)
+    meta = rows[:, HEADER_NBYTES:start].view(torch.float32)
+    return meta, rows[:, start:start + layout.codes_nbytes(numel, config.bits)]
+
+
+def _check_rows(name: str, rows, numel: int, config: QuantConfig, device) -> None:
+    nbytes = packed_nbytes(numel, config)
+    if (not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() != 2
+            or rows.shape[1] != nbytes or rows.stride(1) != 1 or rows.device != device):
+        raise ValueError(f"{name} must be a 2-D uint8 tensor of rows of {nbytes} bytes "
+                         f"(contiguous within a row) on {device}, got {_what(rows)}")
+    if rows.shape[0] > 1 and rows.stride(0) % 4:
+        raise ValueError(f"{name}: rows must start 4-byte aligned (row stride "
+                         f"{rows.stride(0)} bytes)")
+    _check_aligned(name, rows)
+
+
+def _check_float_rows(name: str, t, rows: int, numel: int, device) -> None:
+    if (not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES or t.dim() != 2
+            or tuple(t.shape) != (rows, numel) or (numel > 1 and t.stride(1) != 1)
+            or t.device != device):
+        raise ValueError(f"{name} must be a [{rows}, {numel}] float32/bfloat16/float16 "
+                         f"tensor (contiguous within a row) on {device}, got {_what(t)}")
+
+
+def _check_seeds(seeds, count: int) -> list[int]:
+    seeds = list(seeds)
+    if len(seeds) != count or any(isinstance(s, bool) or not isinstance(s, int)
+                                  for s in seeds):
+        raise TypeError(f"seeds must be {count} ints (one per row), got {seeds!r}")
+    return seeds
+
+
+@torch.no_grad()
+def quantize_rows(x: torch.Tensor, config: QuantConfig, seeds: Sequence[int], *,
+                  out: torch.Tensor, skip: int | None = None, impl: str | None = None) -> None:
+    """Quantize every row of ``x`` ([R, n], rows of any stride) into the same row of
+    ``out`` ([R, packed_nbytes(n)] uint8), row r with ``seeds[r]``, in one call: row r's
+    bytes are those of ``quantize(x[r], config, seed=seeds[r])``. ``skip``: a row left
+    unread and unwritten (a reduce-scatter's own chunk). Triton: one launch over a
+    (bucket, row) grid; torch path: one graph call per kind of bucket for the rows on
+    each side of ``skip``."""
+    config = _check_config(config)
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"quantize_rows expects a 2-D float32/bfloat16/float16 tensor, got "
+                        f"{_what(x)}")
+    R, n = x.shape
+    _check_float_rows("x", x, R, n, x.device)
+    _check_rows("out", out, n, config, x.device)
+    if out.shape[0] != R:
+        raise ValueError(f"out has {out.shape[0]} rows, x has {R}")
+    if skip is not None and not (isinstance(skip, int) and 0 <= skip < R):
+        raise ValueError(f"skip must be a row index in [0, {R}) or None, got {skip!r}")
+    seeds = _check_seeds(seeds, R)
+    calls["quantize_rows"] += 1
+    path = _select_impl(x.device, impl)
+    spans = [(0, R)] if skip is None else [(0, skip), (skip + 1, R)]
+    header = _header_tensor(n, x.dtype, config, x.device)
+    used = HEADER_NBYTES + layout.meta_nbytes(n, config) + layout.codes_nbytes(n, config.bits)
+    for a, b in spans:  # the header and zero padding: one op per span
+        if b > a:
+            out[a:b, :HEADER_NBYTES].copy_(header.expand(b - a, -1))
+            out[a:b, used:].zero_()
+    if n == 0:
+        return
+    meta, codes = _payload_views(out, n, config)
+    keys = [seed_key(s) for s in seeds]
+    encode = _launchers(path)[0]
+    if path == "triton":
+        encode(x, meta, codes, config, keys, skip)
+        return
+    for a, b in spans:
+        if b - a == 1:
+            encode(x[a], meta[a], codes[a], config, keys[a])
+        elif b - a > 1:
+            encode(x[a:b], meta[a:b], codes[a:b], config, keys[a:b])
+
+
+def check_headers(rows: torch.Tensor, numel: int, dtype: torch.dtype, config: QuantConfig,
+                  skip: int | None = None, who: str = "payload row") -> None:
+    """Every row's header (``rows``: one payload a row; ``skip``: a row not to read) is
+    the one expected: one comparison on the rows' device and one bool read back; a
+    mismatch is a ``ValueError`` naming the first bad row (``who`` r) and the field."""
+    if rows.shape[0] == 0:
+        return
+    want = _header_tensor(numel, dtype, config, rows.device)
+    same = (rows[:, :HEADER_NBYTES] == want).all(dim=1)
+    if skip is not None:
+        same[skip] = True
+    if bool(same.all()):
+        return
+    bad = int((~same).nonzero()[0])
+    try:
+        _check_payload(Packed(rows[bad], numel, dtype, config))
+    except ValueError as err:
+        raise ValueError(f"{who} {bad}: {err}") from None
+    raise ValueError(f"{who} {bad} has an unexpected qcomm header")
+
+
+@torch.no_grad()
+def dequantize_rows(rows: torch.Tensor, numel: int, dtype: torch.dtype, config: QuantConfig,
+                    *, out: torch.Tensor, accumulate: bool = False, impl: str | None = None,
+                    check: bool = True) -> torch.Tensor:
+    """Decode payload row r of ``rows`` ([R, packed_nbytes(numel)] uint8) into row r of
+    ``out`` ([R, numel], rows of any stride; cast to its dtype, or with ``accumulate``
+    added into it, fp32), in one call: the values of ``dequantize`` row by row.
+    ``check``: compare every row's header with the expected one first."""
+    config = _check_config(config)
+    _check_rows("rows", rows, numel, config, rows.device if isinstance(rows, torch.Tensor)
+                else None)
+    R = rows.shape[0]
+    _check_float_rows("out", out, R, numel, rows.device)
+    if accumulate and out.dtype != torch.float32:
+        raise TypeError(f"accumulate=True needs a float32 out, got {_what(out)}")
+    if check:
+        check_headers(rows, numel, dtype, config)
+    calls["dequantize_rows"] += 1
+    if numel == 0 or R == 0:
+        return out
+    path = _select_impl(rows.device, impl)
+    meta, codes = _payload_views(rows, numel, config)
+    decode = _launchers(path)[1]
+    if path == "triton" or R > 1:
+        decode(meta, codes, out, config, accumulate)
+    else:
+        decode(meta[0], codes[0], out[0], config, accumulate)
+    return out
+
+
+@torch.no_grad()
+def dequantize_sum(rows: torch.Tensor, numel: int, dtype: torch.dtype, config: QuantConfig, *,
+                   own: torch.Tensor, out: torch.Tensor, skip: int | None = None,
+                   op: str = "sum", factor: float = 1.0, impl: str | None = None,
+                   check: bool = True) -> torch.Tensor:
+    """The reduce-scatter's receive side in one call: ``out = op(own + decode(row r) for
+    every r != skip)``, summed in fp32 in row order (``own`` first, exact), then ``op``
+    ("sum"; "avg": divided by ``factor``; "premul": multiplied by it), then cast to
+    ``out``'s dtype. ``rows`` [R, packed_nbytes(numel)] uint8 (payloads of ``dtype``
+    sources), ``own`` and ``out`` 1-D contiguous float tensors of ``numel`` elements
+    (``out`` may be ``own``). The values of :func:`qcomm.oracle.dequantize_sum`."""
+    config = _check_config(config)
+    device = rows.device if isinstance(rows, torch.Tensor) else None
+    _check_rows("rows", rows, numel, config, device)
+    for name, t in (("own", own), ("out", out)):
+        if (not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES or t.dim() != 1
+                or t.numel() != numel or not t.is_contiguous() or t.device != device):
+            raise ValueError(f"{name} must be a contiguous 1-D float tensor of {numel} "
+                             f"elements on {device}, got {_what(t)}")
+    R = rows.shape[0]
+    if skip is not None and not (isinstance(skip, int) and 0 <= skip < R):
+        raise ValueError(f"skip must be a row index in [0, {R}) or None, got {skip!r}")
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+    if check:
+        check_headers(rows, numel, dtype, config, skip)
+    calls["dequantize_sum"] += 1
+    if numel == 0:
+        return out
+    path = _select_impl(device, impl)
+    meta, codes = _payload_views(rows, numel, config)
+    _launchers(path)[2](meta, codes, own, out, config, skip, op, factor)
+    return out

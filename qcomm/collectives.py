@@ -57,7 +57,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from . import inner as I
-from .codec import Packed, dequantize, quantize
+from .codec import dequantize_rows, dequantize_sum, quantize, quantize_rows
 from .driver import Call, exact_reduce, finish, op_type, peer_bytes, premul_factor, run
 from .layout import packed_nbytes
 
@@ -67,6 +67,37 @@ _RedOpType = ReduceOp.RedOpType
 # ---------------------------------------------------------------------------------
 # The compressed algorithms (run by the driver under the group's lock; callers have
 # validated the tensors)
+
+
+def as_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """``tensors`` (1-D, contiguous, one size and dtype) as the rows of one [R, n] view
+    where they are evenly spaced, non-overlapping slices of one storage (the chunks of a
+    flat buffer: the row calls then cover all of them in one codec call); else None."""
+    t0 = tensors[0]
+    if len(tensors) == 1:
+        return t0.view(1, -1)
+    n, step = t0.numel(), tensors[1].storage_offset() - t0.storage_offset()
+    base = t0.untyped_storage().data_ptr()
+    for i, t in enumerate(tensors):
+        if (t.dtype != t0.dtype or t.numel() != n or t.dim() != 1 or not t.is_contiguous()
+                or t.untyped_storage().data_ptr() != base
+                or t.storage_offset() != t0.storage_offset() + i * step):
+            return None
+    if step < n:  # overlapping (or reversed) slices: not rows
+        return None
+    return t0.as_strided((len(tensors), n), (step, 1))
+
+
+def reduce_op(op, world: int) -> tuple[str, float]:
+    """The codec's (op, factor) of a compressible reduce op: ("sum", 1), ("avg", world)
+    or ("premul", its factor)."""
+    kind = op_type(op)
+    if kind == _RedOpType.AVG:
+        return "avg", float(world)
+    if kind == _RedOpType.PREMUL_SUM:
+        # sum(f * x_i) == f * sum(x_i): applied once, in fp32, after the sum.
+        return "premul", float(premul_factor(op))
+    return "sum", 1.0
 
 
 @torch.no_grad()
@@ -82,10 +113,13 @@ def packed_all_gather(call: Call, outs: list[torch.Tensor], inp: torch.Tensor, s
     sends what an unsplit one would): piece p is quantized while piece p - 1 is on the
     wire (gloo sends on its own threads), and decoded while the later ones travel.
     Every quantize precedes every output write (FSDP2's input is a view into its
-    output)."""
+    output). Per piece, one quantize and one decode of all the received rows
+    (:func:`qcomm.codec.dequantize_rows`) where ``outs`` are rows of one buffer (an
+    all-gather into a tensor), whatever the world size; a list of separate outputs is
+    decoded row by row."""
     n, world, q = inp.numel(), len(outs), call.q
     flat_in = inp.reshape(-1)
-    flat_out = [o.view(-1) for o in outs]
+    out_rows = as_rows([o.view(-1) for o in outs])
     parts = pieces(n, q.bucket_size)
     sizes = [packed_nbytes(b - a, q) for a, b in parts]
     total = sum(sizes)
@@ -108,74 +142,95 @@ def packed_all_gather(call: Call, outs: list[torch.Tensor], inp: torch.Tensor, s
         I.wait(inflight[p], call.kind, f"the all-gather of {nbytes}-byte payloads", call.rank)
         rows = recv[world * start: world * (start + nbytes)].view(world, nbytes)
         call.check_received(rows, b - a, inp.dtype)
-        for r, out in enumerate(flat_out):
-            # payload sizes are multiples of 16 bytes: every row's fp32 meta view is aligned
-            dequantize(Packed(rows[r], b - a, inp.dtype, q), out=out[a:b],
-                       accumulate=accumulate, check=False)
+        # payload sizes are multiples of 16 bytes: every row's fp32 meta view is aligned
+        if out_rows is not None:
+            dequantize_rows(rows, b - a, inp.dtype, q, out=out_rows[:, a:b],
+                            accumulate=accumulate, check=False)
+        else:
+            for r, out in enumerate(outs):
+                dequantize_rows(rows[r:r + 1], b - a, inp.dtype, q,
+                                out=out.view(1, -1)[:, a:b], accumulate=accumulate,
+                                check=False)
         start += nbytes
     return total
 
 
 @torch.no_grad()
 def packed_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list[int], *,
-                          check=None, residuals: list[torch.Tensor] | None = None
-                          ) -> tuple[torch.Tensor, int]:
-    """Sum ``chunks[j]`` of every rank into rank j; returns (fp32 sum of this rank's
-    chunk, in a scratch buffer; bytes sent to each peer). ``check`` as in
-    :func:`packed_all_gather`, and piece by piece like it: piece p's peer chunks are
-    quantized while piece p - 1's all-to-all is on the wire, and decoded into the sum
-    while the later ones travel. ``residuals`` (error feedback): fp32, one per chunk;
-    what the last call's quantization left out is added to each peer chunk before it
-    is quantized, and what this one leaves out replaces it."""
-    world, rank, q = len(chunks), call.rank, call.q
+                          out: torch.Tensor, op=None, world: int | None = None, check=None,
+                          residuals: list[torch.Tensor] | None = None) -> int:
+    """Sum ``chunks[j]`` of every rank into rank j: ``out`` (1-D, contiguous, any float
+    dtype; may be this rank's own chunk) gets this rank's chunk summed in fp32, the
+    reduce ``op`` applied (AVG divides by ``world``, default the group's size) and cast;
+    returns the bytes sent to each peer. ``check`` as in :func:`packed_all_gather`, and
+    piece by piece like it: piece p's peer chunks are quantized while piece p - 1's
+    all-to-all is on the wire, and decoded into the sum while the later ones travel.
+    Per piece, one quantize of the peer chunks (:func:`qcomm.codec.quantize_rows`) and
+    one fused decode, sum, op and cast (:func:`qcomm.codec.dequantize_sum`), whatever
+    the world size. ``residuals`` (error feedback): fp32, one per chunk, rows of one
+    buffer; what the last call's quantization left out is added to each peer chunk
+    before it is quantized, and what this one leaves out replaces it."""
+    size, rank, q = len(chunks), call.rank, call.q
     n = chunks[0].numel()
     dtype, device = chunks[0].dtype, chunks[0].device
-    flat = [c.reshape(-1) for c in chunks]
+    x = as_rows([c.reshape(-1) for c in chunks])
+    if x is None:  # not rows of one buffer: one copy makes them so
+        x = torch.stack([c.reshape(-1) for c in chunks])
+    name, factor = reduce_op(op, world or size) if op is not None else ("sum", 1.0)
     parts = pieces(n, q.bucket_size)
     sizes = [packed_nbytes(b - a, q) for a, b in parts]
     total = sum(sizes)
-    send_all = call.buffer("rs_send", world * total, torch.uint8, device)
-    recv_all = call.buffer("rs_recv", world * total, torch.uint8, device)
+    send_all = call.buffer("rs_send", size * total, torch.uint8, device)
+    recv_all = call.buffer("rs_recv", size * total, torch.uint8, device)
+    fed_rows = None if residuals is None else as_rows(residuals)
+    if residuals is not None and fed_rows is None:
+        raise ValueError("packed_reduce_scatter: residuals must be the rows of one buffer")
     inflight, start = [], 0
     for p, (a, b) in enumerate(parts):
         nbytes = sizes[p]
-        send = send_all[world * start: world * (start + nbytes)].view(world, nbytes)
-        for j in range(world):
-            if j == rank:  # the own chunk stays exact; its slot only travels to itself
-                continue
-            seed = seeds[j] ^ (p << 56)
-            if residuals is None:
-                quantize(flat[j][a:b], q, seed=seed, out=send[j])
-                continue
-            fed = residuals[j][a:b].add_(flat[j][a:b])  # the residual becomes what is owed
-            quantize(fed.to(dtype), q, seed=seed, out=send[j])
-            sent = call.buffer("rs_sent", b - a, torch.float32, device).zero_()
-            dequantize(Packed(send[j], b - a, dtype, q), out=sent, accumulate=True,
-                       check=False)
-            # A non-finite gradient is sent as it is (its bucket decodes NaN: GradScaler
-            # sees the overflow and skips the step) but not owed: an inf kept in the
-            # residual would poison every later step of this chunk.
-            fed.sub_(sent).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        send = send_all[size * start: size * (start + nbytes)].view(size, nbytes)
+        piece_seeds = [s ^ (p << 56) for s in seeds]
+        if fed_rows is None:
+            # the own chunk stays exact; its slot only travels to itself
+            quantize_rows(x[:, a:b], q, piece_seeds, out=send, skip=rank)
+        else:
+            _quantize_fed(call, x[:, a:b], fed_rows[:, a:b], piece_seeds, send)
         if p == 0 and check is not None:
             check.finish()
-        recv = recv_all[world * start: world * (start + nbytes)]
+        recv = recv_all[size * start: size * (start + nbytes)]
         inflight.append(I.start(I.all_to_all, call.kind, "the all-to-all of payloads", rank,
                                 call.inner, recv, send.view(-1)))
         start += nbytes
-    acc = call.buffer("rs_acc", n, torch.float32, device)
     start = 0
     for p, (a, b) in enumerate(parts):
         nbytes = sizes[p]
         I.wait(inflight[p], call.kind, f"the all-to-all of {nbytes}-byte payloads", rank)
-        rows = recv_all[world * start: world * (start + nbytes)].view(world, nbytes)
+        rows = recv_all[size * start: size * (start + nbytes)].view(size, nbytes)
         call.check_received(rows, b - a, dtype, skip=rank)
-        acc[a:b].copy_(flat[rank][a:b])
-        for j in range(world):
-            if j != rank:
-                dequantize(Packed(rows[j], b - a, dtype, q), out=acc[a:b], accumulate=True,
-                           check=False)
+        dequantize_sum(rows, b - a, dtype, q, own=x[rank, a:b], out=out[a:b], skip=rank,
+                       op=name, factor=factor, check=False)
         start += nbytes
-    return acc, total
+    return total
+
+
+def _quantize_fed(call: Call, x: torch.Tensor, fed: torch.Tensor, seeds: list[int],
+                  send: torch.Tensor) -> None:
+    """Error feedback's quantize of one piece's peer rows: each residual row becomes what
+    is owed (residual + chunk), is quantized, and keeps what its payload leaves out.
+    The rows on either side of this rank's own go as two blocks: a constant number of
+    codec calls and elementwise ops whatever the world size."""
+    rank, q, m = call.rank, call.q, x.shape[1]
+    for a, b in ((0, rank), (rank + 1, x.shape[0])):
+        if b == a:
+            continue
+        owed = fed[a:b].add_(x[a:b])
+        quantize_rows(owed.to(x.dtype), q, seeds[a:b], out=send[a:b])
+        sent = call.buffer("rs_sent", (b - a) * m, torch.float32, x.device).view(b - a, m)
+        dequantize_rows(send[a:b], m, x.dtype, q, out=sent, check=False)
+        # A non-finite gradient is sent as it is (its bucket decodes NaN: GradScaler
+        # sees the overflow and skips the step) but not owed: an inf kept in the
+        # residual would poison every later step of this chunk.
+        owed.sub_(sent).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 # ---------------------------------------------------------------------------------
@@ -202,14 +257,15 @@ def pieces(n: int, bucket_size: int) -> list[tuple[int, int]]:
 
 @torch.no_grad()
 def two_level_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list[int], *,
-                             check=None) -> tuple[torch.Tensor, int, int]:
+                             out: torch.Tensor, op=None, check=None) -> tuple[int, int]:
     """:func:`packed_reduce_scatter` in two levels: an exact all-to-all inside the node
     gives local rank l the node's fp32 sum of the chunks of every rank of local index
     l (N of them); the ranks of local index l then reduce-scatter those node sums,
     compressed, each quantized once. Piece by piece (:data:`PIECE`), the next piece's
     exchange inside the node in flight while this one's crosses nodes. ``seeds[j]``:
-    the payload for group rank j. Returns (fp32 sum of this rank's chunk, bytes sent,
-    of them inside the node)."""
+    the payload for group rank j. ``out`` and ``op`` as in
+    :func:`packed_reduce_scatter` (AVG divides by the group's size). Returns (bytes
+    sent, of them inside the node)."""
     topo = call.topology
     intra, inter = call.subgroups()
     nodes, per_node = topo.nodes, topo.per_node
@@ -233,7 +289,6 @@ def two_level_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list
                        call.rank, intra, recv, send.view(-1))
         return work, recv, send  # send stays referenced until the work is waited on
 
-    acc = call.buffer("rs2_acc", n, torch.float32, device)
     if check is not None:
         check.finish()
     inflight = start(0)
@@ -248,11 +303,11 @@ def two_level_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list
         torch.sum(recv.view(per_node, nodes, b - a), dim=0, dtype=torch.float32,
                   out=node_sums)
         piece_seeds = [seeds[topo.members[k][topo.local]] ^ (p << 56) for k in range(nodes)]
-        got, nbytes = packed_reduce_scatter(sub, list(node_sums), piece_seeds)
-        acc[a:b].copy_(got)
+        nbytes = packed_reduce_scatter(sub, list(node_sums), piece_seeds, out=out[a:b], op=op,
+                                       world=call.world)
         inter_bytes += (nodes - 1) * nbytes
     intra_bytes = (per_node - 1) * nodes * n * chunks[0].element_size()
-    return acc, intra_bytes + inter_bytes, intra_bytes
+    return intra_bytes + inter_bytes, intra_bytes
 
 
 @torch.no_grad()
@@ -277,6 +332,11 @@ def two_level_all_gather(call: Call, outs: list[torch.Tensor], inp: torch.Tensor
     n, q, device = inp.numel(), call.q, inp.device
     flat_in = inp.reshape(-1)
     flat_out = [o.view(-1) for o in outs]
+    out_rows = as_rows(flat_out)
+    # received row local * nodes + k holds group rank members[k][local]'s payload
+    where = {topo.members[k][local]: local * nodes + k
+             for local in range(per_node) for k in range(nodes)}
+    order = torch.tensor([where[g] for g in range(nodes * per_node)], device=device)
     parts = pieces(n, q.bucket_size)
     sizes = [packed_nbytes(b - a, q) for a, b in parts]
     starts = [sum(sizes[:p]) for p in range(len(parts))]
@@ -305,26 +365,22 @@ def two_level_all_gather(call: Call, outs: list[torch.Tensor], inp: torch.Tensor
                          call.rank, intra, rows, across)
         I.wait(inside, call.kind, "the all-gather of the payloads inside the node",
                call.rank)
-        call.check_received(rows.view(-1, nbytes), b - a, inp.dtype)
-        rows = rows.view(per_node, nodes, nbytes)
-        for local in range(per_node):
-            for k in range(nodes):
-                dequantize(Packed(rows[local, k], b - a, inp.dtype, q),
-                           out=flat_out[topo.members[k][local]][a:b], accumulate=accumulate,
-                           check=False)
+        rows = rows.view(per_node * nodes, nbytes)
+        call.check_received(rows, b - a, inp.dtype)
+        if out_rows is not None:  # into group-rank order: one copy of the payload bytes
+            ordered = call.buffer("ag2_order", per_node * nodes * nbytes, torch.uint8, device)
+            ordered = ordered.view(per_node * nodes, nbytes)
+            torch.index_select(rows, 0, order, out=ordered)
+            dequantize_rows(ordered, b - a, inp.dtype, q, out=out_rows[:, a:b],
+                            accumulate=accumulate, check=False)
+        else:
+            for i, g in enumerate(order.tolist()):
+                dequantize_rows(rows[g:g + 1], b - a, inp.dtype, q,
+                                out=flat_out[i].view(1, -1)[:, a:b], accumulate=accumulate,
+                                check=False)
         inter_bytes += (nodes - 1) * nbytes
         intra_bytes += (per_node - 1) * nodes * nbytes
     return inter_bytes + intra_bytes, intra_bytes
-
-
-def apply_op(acc: torch.Tensor, op, world: int) -> None:
-    """AVG or PREMUL_SUM on an fp32 sum (SUM: nothing)."""
-    kind = op_type(op)
-    if kind == _RedOpType.AVG:
-        acc.div_(world)
-    elif kind == _RedOpType.PREMUL_SUM:
-        # sum(f * x_i) == f * sum(x_i): applied once, in fp32, after the sum.
-        acc.mul_(premul_factor(op))
 
 
 # ---------------------------------------------------------------------------------
@@ -454,16 +510,15 @@ def scatter_from(group, out: torch.Tensor, chunks: list[torch.Tensor],
     def compressed(call: Call) -> tuple[int, int]:
         seeds = [call.seed(call.rank * world + j) for j in range(world)]
         check = call.check_descriptors(n, out.dtype, op, out.device)
+        flat_out = out.view(-1)
         if call.two_level and residuals is None:
-            acc, wire, intra = two_level_reduce_scatter(call, chunks, seeds, check=check)
-        else:  # error feedback keeps per-peer residuals: one level
-            acc, nbytes = packed_reduce_scatter(
-                call, chunks, seeds, check=check,
-                residuals=None if residuals is None else residuals(world, n, out.device))
-            wire, intra = call.flat_bytes(peer_bytes(world, nbytes))
-        apply_op(acc, op, world)
-        out.copy_(acc.view(out.shape))
-        return wire, intra
+            return two_level_reduce_scatter(call, chunks, seeds, out=flat_out, op=op,
+                                            check=check)
+        # error feedback keeps per-peer residuals: one level
+        nbytes = packed_reduce_scatter(
+            call, chunks, seeds, out=flat_out, op=op, check=check,
+            residuals=None if residuals is None else residuals(world, n, out.device))
+        return call.flat_bytes(peer_bytes(world, nbytes))
 
     return run(group, "reduce_scatter", tensor=out, numel=n,
                logical=peer_bytes(world, n * out.element_size()), exact=run_exact,
@@ -504,15 +559,16 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *, config=None
         seeds = [call.seed(2 * (rank * world + j)) for j in range(world)]
         check = call.check_descriptors(numel, tensor.dtype, op, tensor.device)
         seed_ag = call.seed(2 * (rank * world + rank) + 1)
+        # the reduced chunk in fp32 (op applied), then gathered: padded is scratch (or
+        # the tensor itself), written by the gather after every read
+        acc = call.buffer("ar_acc", chunk, torch.float32, tensor.device)
         if call.two_level:
-            acc, wire_rs, intra_rs = two_level_reduce_scatter(call, chunks, seeds, check=check)
-            apply_op(acc, op, world)
+            wire_rs, intra_rs = two_level_reduce_scatter(call, chunks, seeds, out=acc, op=op,
+                                                         check=check)
             wire_ag, intra_ag = two_level_all_gather(call, chunks, acc, seed_ag)
             sent = (wire_rs + wire_ag, intra_rs + intra_ag)
         else:
-            acc, nbytes_rs = packed_reduce_scatter(call, chunks, seeds, check=check)
-            apply_op(acc, op, world)
-            # padded is scratch (or the tensor itself): the gather writes it, then copies
+            nbytes_rs = packed_reduce_scatter(call, chunks, seeds, out=acc, op=op, check=check)
             nbytes_ag = packed_all_gather(call, chunks, acc, seed_ag)
             sent = call.flat_bytes(peer_bytes(world, nbytes_rs + nbytes_ag))
         if padded is not flat:

@@ -32,9 +32,9 @@ from torch.distributed import ReduceOp
 
 from . import inner as I
 from . import layout
-from .codec import Packed
+from .codec import check_headers
 from .config import CommConfig, QuantConfig, node_key
-from .layout import DESC_NBYTES, HEADER_NBYTES, NO_OP
+from .layout import DESC_NBYTES, NO_OP
 
 # Config fingerprint exchanged once per plain or wrapped group: sha256 hex, then repr.
 CONFIG_NBYTES = 1024
@@ -215,13 +215,4 @@ def check_received(rows: torch.Tensor, numel: int, dtype: torch.dtype, q: QuantC
         if len(state.checked) >= CHECKED_MAX:
             state.checked.clear()
         state.checked.add(key)
-    expected = layout.encode_header(numel, dtype, q)
-    heads = rows[:, :HEADER_NBYTES].cpu()
-    for r in range(rows.shape[0]):
-        if r == skip or bytes(heads[r].tolist()) == expected:
-            continue
-        try:
-            Packed.from_payload(rows[r], numel, dtype, q)
-        except ValueError as err:
-            raise ValueError(f"payload from rank {r}: {err}") from None
-        raise ValueError(f"payload from rank {r} has an unexpected qcomm header")
+    check_headers(rows, numel, dtype, q, skip, who="payload from rank")

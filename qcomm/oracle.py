@@ -230,3 +230,21 @@ def minmax_steps(x: torch.Tensor, config) -> torch.Tensor:
     lo = torch.nan_to_num(pad, nan=float("inf")).amin(1)
     hi = torch.nan_to_num(pad, nan=float("-inf")).amax(1)
     return ((hi - lo) / (2**config.bits - 1)).repeat_interleave(b)[:n]
+
+
+def dequantize_sum(payloads: list[torch.Tensor | None], config, numel: int, own: torch.Tensor,
+                   op: str = "sum", factor: float = 1.0,
+                   dtype: torch.dtype = F32) -> torch.Tensor:
+    """The reduce-scatter's receive side: this rank's own chunk (exact) plus the fp32
+    decode of every payload that is not None, added in order, one fp32 add each; then
+    the reduce op ("sum"; "avg": divided by ``factor``, the world size; "premul":
+    multiplied by it) and one cast to ``dtype``."""
+    acc = own.detach().cpu().reshape(-1).to(F32)
+    for p in payloads:
+        if p is not None:
+            acc = acc + dequantize(p, config, numel)
+    if op == "avg":
+        acc = acc / f32(factor)
+    elif op == "premul":
+        acc = acc * f32(factor)
+    return acc.to(dtype)

@@ -18,6 +18,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 import triton  # noqa: E402
 from qcomm.kernels._common import num_warps, tile_args  # noqa: E402
 from qcomm.kernels.dequantize import _dequantize_kernel  # noqa: E402
+from qcomm.kernels.dequantize_sum import OPS, _dequantize_sum_kernel  # noqa: E402
 from qcomm.kernels.quantize import _quantize_kernel  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -38,7 +39,9 @@ CASES = [
 
 
 def compile_case(scheme, bits, dtype, bucket, l2, stochastic, accumulate, arch, warps=None,
-                 aligned=False):
+                 aligned=False, many=False):
+    """(quantize, dequantize, dequantize_sum) of one case compiled for ``arch``; ``many``:
+    the quantize of payload rows (a launch over a (bucket, row) grid)."""
     target = GPUTarget("cuda", arch, 32)
     sid = effective_scheme_id(scheme, bits)
     config = QuantConfig(bits=bits, bucket_size=bucket, scheme=scheme)
@@ -53,18 +56,25 @@ def compile_case(scheme, bits, dtype, bucket, l2, stochastic, accumulate, arch, 
         del args["n_rows"], args["num_warps"]
         return args
 
-    q = dict(constexprs(halves=True), L2=l2, STOCHASTIC=stochastic)
+    q = dict(constexprs(halves=True), L2=l2, STOCHASTIC=stochastic, MANY=many)
     sig = dict(x_ptr="*" + DTYPES[dtype], meta_ptr="*fp32", codes_ptr="*u8", n="i64",
-               n_rows="i64", key="i32", **{k: "constexpr" for k in q})
+               n_rows="i64", key="i32", keys_ptr="*i32", skip="i32", x_row="i64",
+               meta_row="i64", codes_row="i64", **{k: "constexpr" for k in q})
     kq = triton.compile(ASTSource(_quantize_kernel, sig, constexprs=q, attrs=attrs),
                         target=target, options=options)
     d = dict(constexprs(), ACCUMULATE=accumulate)
     out = "*fp32" if accumulate else "*" + DTYPES[dtype]
     sig = dict(meta_ptr="*fp32", codes_ptr="*u8", out_ptr=out, n="i64", n_rows="i64",
-               **{k: "constexpr" for k in d})
+               meta_row="i64", codes_row="i64", out_row="i64", **{k: "constexpr" for k in d})
     kd = triton.compile(ASTSource(_dequantize_kernel, sig, constexprs=d, attrs=attrs),
                         target=target, options=options)
-    return kq, kd
+    s = dict(constexprs(), OP=OPS["avg" if accumulate else "sum"])
+    sig = dict(meta_ptr="*fp32", codes_ptr="*u8", own_ptr="*" + DTYPES[dtype], out_ptr=out,
+               n="i64", n_rows="i64", rows="i32", skip="i32", meta_row="i64",
+               codes_row="i64", factor="fp32", **{k: "constexpr" for k in s})
+    ks = triton.compile(ASTSource(_dequantize_sum_kernel, sig, constexprs=s, attrs=attrs),
+                        target=target, options=options)
+    return kq, kd, ks
 
 
 def sass_count(kernel) -> int:
@@ -88,8 +98,8 @@ def sass_table() -> int:
     kernels (bucket 1024, stochastic) at 1, 2, 4 and 8 warps: the counts the warps
     comment in kernels/_common.py quotes."""
     for warps in (1, 2, 4, 8):
-        kq, kd = compile_case("minmax", 8, "float32", 1024, False, True, False, arch=90,
-                              warps=warps, aligned=True)
+        kq, kd, _ = compile_case("minmax", 8, "float32", 1024, False, True, False, arch=90,
+                                 warps=warps, aligned=True)
         per = 1024 / (32 * warps)  # elements per thread
         print(f"{warps} warps: quantize {sass_count(kq) / per:.1f}, "
               f"dequantize {sass_count(kd) / per:.1f} SASS instructions per element")
@@ -100,11 +110,12 @@ def main() -> int:
     if "--sass" in sys.argv:
         return sass_table()
     arch = int(sys.argv[1]) if len(sys.argv) > 1 else 90
-    for case in CASES:
-        kq, kd = compile_case(*case, arch=arch)
-        print(f"sm_{arch} {case}: quantize cubin {len(kq.asm['cubin'])} B, "
-              f"dequantize cubin {len(kd.asm['cubin'])} B")
-    print(f"triton {triton.__version__}: {2 * len(CASES)} kernels compiled for sm_{arch}")
+    for i, case in enumerate(CASES):  # every other case's quantize over payload rows
+        kq, kd, ks = compile_case(*case, arch=arch, many=i % 2 == 1)
+        print(f"sm_{arch} {case}: quantize{' rows' if i % 2 else ''} cubin "
+              f"{len(kq.asm['cubin'])} B, dequantize cubin {len(kd.asm['cubin'])} B, "
+              f"dequantize_sum cubin {len(ks.asm['cubin'])} B")
+    print(f"triton {triton.__version__}: {3 * len(CASES)} kernels compiled for sm_{arch}")
     return 0
 
 

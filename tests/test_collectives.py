@@ -9,6 +9,7 @@ quantized contributions' steps, and an all-reduce adds one step of the reduced c
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
@@ -355,3 +356,56 @@ def test_flat_pieces_pipeline_within_bound(world):
         assert r["ag_events"] == pipelined, r["ag_events"]
         assert r["rs_events"] == pipelined, r["rs_events"]
         assert r["wire"] == (world - 1) * sum(packed_nbytes(m, Q8) for m in sizes)
+
+
+def _launch_count_body(rank, world):
+    """Codec calls and torch-path piece calls (the CPU's launches) of one compressed
+    call of each collective, 3001 elements per rank in pieces of 1024 (3 pieces, the
+    last with a partial bucket); eager path (QCOMM_COMPILE=0), so 8 ranks on 2 cores
+    compile nothing."""
+    from qcomm import codec
+    from qcomm.cpu import _common
+
+    qcomm.collectives.PIECE = 1024
+    pg = qcomm.wrap(dist.group.WORLD, CommConfig(all_gather=Q8, reduce_scatter=Q8,
+                                                 all_reduce=Q8))
+    n = 3001
+    calls = {
+        "all_gather": lambda: qcomm.all_gather_into_tensor(torch.empty(world * n),
+                                                          make(rank, n), pg),
+        "reduce_scatter": lambda: qcomm.reduce_scatter_tensor(
+            torch.empty(n), make(rank, world * n), ReduceOp.AVG, pg),
+        "all_reduce": lambda: qcomm.all_reduce(make(rank, world * n), group=pg),
+    }
+    res = {}
+    for name, fn in calls.items():
+        fn()  # the first call of a group also agrees on its config
+        before, graphs = collections.Counter(codec.calls), _common.calls["eager"]
+        fn()
+        res[name] = (dict(codec.calls - before), _common.calls["eager"] - graphs)
+    return res
+
+
+def test_codec_calls_do_not_grow_with_world_size():
+    """Each compressed collective makes the same codec calls at 2, 4 and 8 ranks: per
+    piece, an all-gather one quantize and one decode of all received rows, a
+    reduce-scatter one quantize of all peer rows and one fused decode-sum-op-cast, an
+    all-reduce both; and the torch path's piece calls inside them stop growing (4 and 8
+    ranks alike: the peer rows on either side of a rank's own are one block each)."""
+    got = {w: run_ranks(_launch_count_body, w, backend="gloo", env={"QCOMM_COMPILE": "0"},
+                        timeout=300) for w in (2, 4, 8)}
+    pieces = 3
+    want = {"all_gather": {"quantize": pieces, "dequantize_rows": pieces},
+            "reduce_scatter": {"quantize_rows": pieces, "dequantize_sum": pieces}}
+    want["all_reduce"] = {}
+    for name in ("all_gather", "reduce_scatter"):
+        for k, v in want[name].items():
+            want["all_reduce"][k] = want["all_reduce"].get(k, 0) + v
+    for w, results in got.items():
+        for rank, res in enumerate(results):
+            for name, (codec_calls, _) in res.items():
+                assert codec_calls == want[name], (w, rank, name, codec_calls)
+    for name in want:
+        most = {w: max(res[name][1] for res in got[w]) for w in got}
+        assert most[4] == most[8], (name, most)
+        assert 0 < most[2] <= most[4], (name, most)

@@ -327,4 +327,4 @@ def test_kernels_compile_for_hopper():
     run = subprocess.run([sys.executable, str(script), "90"], env=env, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    assert "12 kernels compiled for sm_90" in run.stdout
+    assert "18 kernels compiled for sm_90" in run.stdout

@@ -6,6 +6,7 @@ is chosen for the C++ Inductor writes from it (the comments give the measurement
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 
@@ -81,15 +82,16 @@ def uniform(index: torch.Tensor, key: int | torch.Tensor, bucket_size: int) -> t
 
 
 def _bucket_reduce(t: torch.Tensor, op) -> torch.Tensor:
-    """Reduce each bucket (row of ``t``) to ``[buckets, 1]`` in two stages: across rows of 16
-    (or 8) lanes first, then the lanes. Inductor vectorizes the first stage vertically:
-    measured 25 GB/s for a max over [2^14, 1024] fp32 against 5 GB/s reducing each row
-    at once (dynamic shapes, 2 cores). Exact for min and max; the NaN test of a sum is
-    order-free; the fp64 L2 sum rounds to the same fp32 as any other order w.h.p.
+    """Reduce each bucket (last dimension of ``t``) to ``[..., buckets, 1]`` in two
+    stages: across rows of 16 (or 8) lanes first, then the lanes. Inductor vectorizes
+    the first stage vertically: measured 25 GB/s for a max over [2^14, 1024] fp32
+    against 5 GB/s reducing each row at once (dynamic shapes, 2 cores). Exact for min
+    and max; the NaN test of a sum is order-free; the fp64 L2 sum rounds to the same
+    fp32 as any other order w.h.p.
     """
-    n_buckets, B = t.shape
+    B = t.shape[-1]
     lanes = 16 if B % 16 == 0 else 8
-    return op(op(t.view(n_buckets, B // lanes, lanes), dim=1), dim=1, keepdim=True)
+    return op(op(t.unflatten(-1, (B // lanes, lanes)), dim=-2), dim=-1, keepdim=True)
 
 
 def divisor_for(scheme_id: int, bits: int) -> float:
@@ -128,9 +130,20 @@ def _round_codes(t: torch.Tensor, u: torch.Tensor | None, top: int) -> torch.Ten
     return torch.where(v > top, float(top), v)
 
 
+# Calls of the torch path's pieces (each one loop nest or compiled graph: the CPU's
+# launches), by how they ran: "eager" here, "direct" and "dynamo" in qcomm.cpu.compiled.
+calls = collections.Counter()
+
+
 def eager(fn, **static):
     """The default ``wrap`` of the codec entry points: run ``fn`` as it is."""
-    return functools.partial(fn, **static)
+    run = functools.partial(fn, **static)
+
+    def counted(*args, **kwargs):
+        calls["eager"] += 1
+        return run(*args, **kwargs)
+
+    return counted
 
 
 def index_tensor(i: int, device: torch.device) -> torch.Tensor:
@@ -148,28 +161,34 @@ def _zero_index(device: torch.device) -> torch.Tensor:
 
 
 def _pieces(flat, meta, codes, *, bucket_size, bits, words):
-    """Split the elements ``flat`` (1-D), their ``meta`` and ``codes`` into ``whole``, the
-    full buckets as ``([buckets, B], [buckets, words], [buckets, B * bits / 8])`` views
-    (None unless there are two or more), and ``singles``, the buckets to go one at a
-    time, as 1-D views ``(elements, meta, codes, first element index)``: the partial
-    last bucket and a lone full one. (Dynamo specializes sizes 0 and 1, so a [1, B] call of the full
-    buckets' graph would compile a second graph: seconds, on two cores.)"""
+    """Split the elements ``flat`` (1-D, or [R, n]: R rows of n, each a payload's),
+    their ``meta`` and ``codes`` (1-D, or [R, ...] rows) into ``whole``, the full buckets
+    as ``([..., buckets, B], [..., buckets, words], [..., buckets, B * bits / 8])``
+    views (None unless there are two or more), and ``singles``, the buckets to go one at
+    a time, as views ``(elements, meta, codes, first element index)`` along the last
+    dimension: the partial last bucket and a lone full one. (Dynamo specializes sizes 0
+    and 1, so a [1, B] call of the full buckets' graph would compile a second graph:
+    seconds, on two cores.)"""
     B = bucket_size
-    full = flat.numel() // B
+    full = flat.shape[-1] // B
     nbytes = full * B * bits // 8  # bucket sizes are multiples of 8: whole bytes
     whole, singles = None, []
     if full >= 2:
         whole = (_rows(flat, full, B), _rows(meta, full, words), _rows(codes, full, B * bits // 8))
     elif full == 1:
-        singles.append((flat[:B], meta[:words], codes[:nbytes], 0))
-    if full * B < flat.numel():
-        singles.append((flat[full * B:], meta[full * words:], codes[nbytes:], full * B))
+        singles.append((flat[..., :B], meta[..., :words], codes[..., :nbytes], 0))
+    if full * B < flat.shape[-1]:
+        singles.append((flat[..., full * B:], meta[..., full * words:], codes[..., nbytes:],
+                        full * B))
     return whole, singles
 
 
 def _rows(t: torch.Tensor, rows: int, width: int) -> torch.Tensor:
-    """The first ``rows * width`` elements of 1-D ``t`` as [rows, width]: one view op
-    where that is all of ``t`` (each op costs ~3 us of a per-call cost of ~100-200)."""
+    """The first ``rows * width`` elements of 1-D ``t`` as [rows, width] (of each row of
+    2-D ``t``: [R, rows, width]): one view op where that is all of ``t`` (each op costs
+    ~3 us of a per-call cost of ~100-200)."""
+    if t.dim() == 2:
+        return t[:, : rows * width].unflatten(1, (rows, width))
     return t.view(rows, width) if t.numel() == rows * width else t[: rows * width].view(rows,
                                                                                       width)
 

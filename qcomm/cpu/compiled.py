@@ -29,12 +29,13 @@ guards on it: a caller's grad mode used to recompile the graphs).
 
 from __future__ import annotations
 
-import collections
 import functools
 import threading
 import types
 
 import torch
+
+from . import _common
 
 # Signatures kept per graph: one per distinct shape and layout of its calls (each a
 # small tuple); past this many, calls of new shapes keep going through Dynamo.
@@ -42,8 +43,9 @@ MAX_SIGNATURES = 4096
 
 _lock = threading.Lock()
 
-# Calls of compiled pieces, by how they ran: "direct" (skipped Dynamo) or "dynamo".
-calls = collections.Counter()
+# Calls of compiled pieces, by how they ran: "direct" (skipped Dynamo) or "dynamo" (one
+# counter with the eager pieces' calls)
+calls = _common.calls
 
 
 @functools.cache
@@ -173,8 +175,9 @@ def _signature(args: tuple, kwargs: dict):
 def compiled(fn, **static):
     """``fn`` (a :mod:`qcomm.cpu` piece) with the keyword arguments ``static``
     fixed, compiled: one graph per static key (scheme, bits, bucket size, ...), device
-    type and dtypes of the tensors passed, dynamic in the first dimension (length or
-    bucket count) unless ``fn.static_shapes``.
+    type and dtypes of the tensors passed and the first one's rank, dynamic in every
+    dimension but the last (length, bucket count, rows) unless ``fn.static_shapes``
+    (then one graph per shape of the first tensor).
 
     A flat FSDP shard changes length per parameter group, and recompiling per size would
     cost seconds per call. Dynamo caches compiled graphs on the code object it runs, at
@@ -198,7 +201,7 @@ def compiled(fn, **static):
                                    fn.__defaults__, fn.__closure__)
         fresh.__kwdefaults__ = {**(fn.__kwdefaults__ or {}), **static}
         graph = CompiledPiece(params, inductor_options() if unrealized else {})
-        # Only the first dimension is dynamic: dynamic=True would make the baked-in ints
+        # Only the leading dimensions are dynamic: dynamic=True would make the baked-in ints
         # (bits, bucket size) symbolic too, and loops of symbolic length over a bucket
         # vectorize badly (a max over [2^14, 1024]: 5 GB/s against 15 static).
         return torch.compile(fresh, dynamic=False, backend=graph.backend), graph
@@ -207,21 +210,30 @@ def compiled(fn, **static):
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         # inference mode is part of the key: Dynamo guards on it, and a recompile of the
         # shared graph would turn its direct calls off
+        # and so is the first tensor's rank (dynamic graphs: a batch of rows is a
+        # [rows, buckets, B] graph of its own beside the [buckets, B] one, so neither
+        # recompiles the other) or shape (static graphs: one per row count)
+        # Rows ([rows, buckets, B] views) also key on which are contiguous: Dynamo
+        # writes a contiguous tensor's strides as products of its sizes and guards on it,
+        # so a strided call of that graph would recompile it (and a piece of every row
+        # is strided where a whole row is not).
         key = (tensors[0].device.type, torch.is_inference_mode_enabled(),
+               (tensors[0].dim(), *(t.is_contiguous() for t in tensors if t.dim() >= 3))
+               if dynamic else tuple(tensors[0].shape),
                *(t.dtype for t in tensors))
         sig = _signature(args, kwargs)
         with _lock, torch.no_grad():
             entry = by_dtypes.get(key)
             if entry is None:
-                entry = by_dtypes[key] = compile_fresh(key[0], key[2:])
+                entry = by_dtypes[key] = compile_fresh(key[0], key[3:])
             function, graph = entry
             if graph.call is not None and sig in graph.served:
                 calls["direct"] += 1
                 return graph.direct(args, kwargs)
-            if dynamic:
+            if dynamic:  # every dimension but the last (a bucket's elements or words)
                 for t in tensors:
-                    if t.dim() >= 1:
-                        torch._dynamo.maybe_mark_dynamic(t, 0)
+                    for d in range(max(1, t.dim() - 1) if t.dim() else 0):
+                        torch._dynamo.maybe_mark_dynamic(t, d)
             calls["dynamo"] += 1
             result = function(*args, **kwargs)
             graph.check(sig, args, kwargs, result)

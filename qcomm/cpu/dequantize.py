@@ -89,7 +89,7 @@ def lane_group(bits: int, bucket_size: int, out_dtype: torch.dtype = torch.float
 
 
 def unpack_words(packed: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """:func:`unpack_codes` for 1, 2, 4 and 8 bits, as ``[n / group, group]``, read as
+    """:func:`unpack_codes` for 1, 2, 4 and 8 bits, as ``[..., n / group, group]``, read as
     int32 words: lane s of a group takes word ``j = s * bits // 32`` shifted right by
     ``s * bits - 32 * j`` (one broadcast word per group, or a blend of several). Word
     and shift are both chosen by the same comparisons of ``s``, so every index Inductor
@@ -103,13 +103,13 @@ def unpack_words(packed: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     4-byte aligned (the payload layout guarantees both for full buckets).
     """
     words_per_group = group * bits // 32
-    w = packed.view(torch.int32).view(-1, words_per_group)
+    w = packed.view(torch.int32).unflatten(-1, (-1, words_per_group))
     pos = torch.arange(group, dtype=torch.int32, device=packed.device) * bits  # bit offset
     last = words_per_group - 1
-    word, shift = w[:, last:], pos - 32 * last
+    word, shift = w[..., last:], pos - 32 * last
     for j in range(last - 1, -1, -1):
         in_word = pos < 32 * (j + 1)  # lanes s of word j and below
-        word = torch.where(in_word, w[:, j:j + 1], word)
+        word = torch.where(in_word, w[..., j:j + 1], word)
         shift = torch.where(in_word, pos - 32 * j, shift)
     # Arithmetic shifts are fine: the mask drops the sign copies above bit 31 - shift.
     return (word >> shift) & ((1 << bits) - 1)
@@ -148,8 +148,9 @@ def dequantize_flat(
     if group == "auto":  # (on a GPU, Inductor writes Triton: the 16-lane shapes stay)
         group = lane_group(bits, B, torch.float32 if staged else out.dtype,
                            lanes=None if out.device.type == "cpu" else 16)
-    whole, singles = _pieces(out.view(-1), meta, codes, bucket_size=B, bits=bits,
-                             words=meta_words(sid))
+    rows = out.dim() == 2 and meta.dim() == 2  # [R, n]: row r decodes payload r
+    whole, singles = _pieces(out if rows else out.view(-1), meta, codes, bucket_size=B,
+                             bits=bits, words=meta_words(sid))
     run_whole = wrap(decode_buckets, group=group, bits=bits, bucket_size=B, sid=sid,
                      accumulate=accumulate)
     # dtype- and accumulate-free: one graph per configuration (_decode_single stores)
@@ -158,13 +159,14 @@ def dequantize_flat(
         run_whole(whole[1], whole[2], whole[0])
     elif whole:
         o, m, c = whole
-        chunks = _row_chunks(o.shape[0], staged)
-        buf = torch.empty(max(stop - r for r, stop in chunks) * B, dtype=torch.float32,
-                          device=out.device)
+        per_row = out.shape[0] if rows else 1
+        chunks = _row_chunks(o.shape[-2], max(1, staged // per_row))
+        buf = torch.empty(max(stop - r for r, stop in chunks) * B * per_row,
+                          dtype=torch.float32, device=out.device)
         for r, stop in chunks:
-            tmp = buf[: (stop - r) * B].view(-1, B)
-            run_whole(m[r:stop], c[r:stop], tmp)
-            o[r:stop].copy_(tmp)
+            tmp = buf[: (stop - r) * B * per_row].view(*o.shape[:-2], stop - r, B)
+            run_whole(m.narrow(-2, r, stop - r), c.narrow(-2, r, stop - r), tmp)
+            o.narrow(-2, r, stop - r).copy_(tmp)
     for o, m, c, _ in singles:
         _decode_single(run_single, m, c, o, bucket_size=B, bits=bits, accumulate=accumulate)
     return out
@@ -174,15 +176,53 @@ def decode_buckets(meta, codes, out, *, bits, bucket_size, sid, accumulate, grou
     """Decode full buckets: ``codes`` [buckets, B * bits / 8] under ``meta`` [buckets, words] into
     ``out`` [buckets, B]: from int32 words (:func:`unpack_words`) as [buckets, B / G, G] where
     ``group`` G is given (:func:`lane_group`), else byte by byte."""
-    n_buckets, B = out.shape[0], bucket_size
+    y = _decode_whole(meta, codes, bits=bits, bucket_size=bucket_size, sid=sid, group=group)
+    store(out if group is None else out.unflatten(-1, (-1, group)), y, accumulate)
+
+
+def _decode_whole(meta, codes, *, bits, bucket_size, sid, group):
+    """fp32 values of full buckets (:func:`decode_buckets`): [..., buckets, B], or
+    [..., buckets, B / G, G] from words."""
     if group is None:
-        k = unpack_codes(codes, bits)
-        y = _decode_buckets(meta, k, bits=bits, sid=sid)
-    else:
-        k = unpack_words(codes, bits, group).view(n_buckets, B // group, group)
-        y = _decode_buckets(meta.unsqueeze(1), k, bits=bits, sid=sid)
-        out = out.view(n_buckets, B // group, group)
-    store(out, y, accumulate)
+        return _decode_buckets(meta, unpack_codes(codes, bits), bits=bits, sid=sid)
+    k = unpack_words(codes, bits, group)
+    return _decode_buckets(meta.unsqueeze(-2), k, bits=bits, sid=sid)
+
+
+def decode_sum_buckets(meta, codes, own, out, factor, *, rows, op, bits, bucket_size, sid,
+                       group):
+    """The reduce-scatter's sum of full buckets in one pass: ``own`` [buckets, B] (this
+    rank's chunk, exact; any float dtype) plus the decode of payload rows ``rows`` (a
+    tuple, in order) of ``meta`` [R, buckets, words] and ``codes`` [R, buckets, B *
+    bits / 8], in fp32, one add after another; then ``op``: "sum", "avg" (divided by
+    0-d ``factor``: an IEEE division, as the kernels' ``div_rn``) or "premul"
+    (multiplied by it); stored into ``out`` [buckets, B] (cast to its dtype)."""
+    y = own.to(torch.float32)
+    if group is not None:
+        y = y.unflatten(-1, (-1, group))
+        out = out.unflatten(-1, (-1, group))
+    for r in rows:
+        y = y + _decode_whole(meta[r], codes[r], bits=bits, bucket_size=bucket_size, sid=sid,
+                              group=group)
+    out.copy_(_apply_op(y, factor, op))
+
+
+def _apply_op(y, factor, op):
+    return y / factor if op == "avg" else y * factor if op == "premul" else y
+
+
+def decode_sum_bucket(meta, codes, own, out, factor, *, rows, op, bits, bucket_size, sid):
+    """:func:`decode_sum_buckets` of one bucket: ``meta`` [R, words], ``codes`` [R, B *
+    bits / 8] (zero codes past a partial bucket), ``own`` fp32 [B]; into fp32 ``out`` [B]."""
+    y = own
+    for r in rows:
+        k = unpack_codes(codes[r], bits)
+        y = y + _decode_buckets(meta[r].view(1, -1), k.view(1, bucket_size), bits=bits,
+                                sid=sid).view(-1)
+    out.copy_(_apply_op(y, factor, op))
+
+
+decode_sum_bucket.static_shapes = True
 
 
 def _decode_single(decode, meta, codes, out, *, bucket_size, bits, accumulate):
@@ -192,25 +232,35 @@ def _decode_single(decode, meta, codes, out, *, bucket_size, bits, accumulate):
     (as :func:`_encode_single`). The same values: the graph computes each in fp32,
     and one cast or one fp32 add follows, here as there."""
     B = bucket_size
-    nbytes = B * bits // 8
-    if codes.numel() < nbytes:
-        full = torch.zeros(nbytes, dtype=torch.uint8, device=codes.device)
-        full[: codes.numel()].copy_(codes)
-        codes = full
-    if out.numel() == B and out.dtype == torch.float32 and not accumulate:
+    # contiguous: a fixed-shape graph also fixes its strides, and a row's stride in a
+    # buffer of payloads changes with the size (copies of one bucket a row)
+    meta, codes = meta.contiguous(), _full_codes(codes, B * bits // 8).contiguous()
+    if (out.shape[-1] == B and out.dtype == torch.float32 and not accumulate
+            and out.is_contiguous()):
         decode(meta, codes, out)  # a lone full bucket into fp32: no buffer
         return
-    y = torch.empty(B, dtype=torch.float32, device=out.device)
+    y = torch.empty(*out.shape[:-1], B, dtype=torch.float32, device=out.device)
     decode(meta, codes, y)
-    store(out, y[: out.numel()], accumulate)
+    store(out, y[..., : out.shape[-1]], accumulate)
+
+
+def _full_codes(codes, nbytes):
+    """A partial bucket's codes (last dimension) padded with zero bytes to ``nbytes``."""
+    if codes.shape[-1] == nbytes:
+        return codes
+    full = torch.zeros(*codes.shape[:-1], nbytes, dtype=torch.uint8, device=codes.device)
+    full[..., : codes.shape[-1]].copy_(codes)
+    return full
 
 
 def decode_bucket(meta, codes, out, *, bits, bucket_size, sid):
     """Decode one bucket: ``codes`` [B * bits / 8] under ``meta`` [words] into fp32 ``out``
-    [B] (the codes past a partial bucket's end are zeros: values to be dropped)."""
+    [B] (the codes past a partial bucket's end are zeros: values to be dropped); or one
+    bucket of each of R rows ([R, ...] each)."""
     k = unpack_codes(codes, bits)
-    out.copy_(_decode_buckets(meta.view(1, -1), k.view(1, bucket_size), bits=bits,
-                              sid=sid).view(-1))
+    rows = codes.shape[:-1]
+    out.copy_(_decode_buckets(meta.view(-1, meta.shape[-1]), k.view(-1, bucket_size),
+                              bits=bits, sid=sid).view(*rows, bucket_size))
 
 
 decode_bucket.static_shapes = True
@@ -230,3 +280,51 @@ def _decode_buckets(m: torch.Tensor, k: torch.Tensor, *, bits: int, sid: int) ->
     level = torch.where(j == 0, 0.0, level)
     mag = m * level
     return torch.where((k >> (bits - 1)) == 1, -mag, mag)
+
+
+def dequantize_sum(meta: torch.Tensor, codes: torch.Tensor, own: torch.Tensor,
+                   out: torch.Tensor, config, skip: int | None, op: str, factor: float, *,
+                   wrap=eager) -> None:
+    """``out = op(own + the fp32 decodes of rows r != skip, added in row order)``:
+    ``meta`` and ``codes`` [R, ...] views of R payloads, ``own`` and ``out`` 1-D
+    contiguous (any float dtypes): the signature of
+    ``qcomm.kernels.dequantize_sum.dequantize_sum``, plus ``wrap``. One graph call for
+    the full buckets whatever R (the rows are unrolled in it: one graph per row set) and
+    one for a partial last bucket; a 16-bit ``out`` on the CPU is summed ``_STAGED``
+    elements at a time into fp32 and converted (as :func:`dequantize`)."""
+    B, bits = config.bucket_size, config.bits
+    sid = effective_scheme_id(config.scheme, bits)
+    rows = tuple(r for r in range(meta.shape[0]) if r != skip)
+    fac = _factor_tensor(float(factor), str(out.device))
+    staged = out.dtype != torch.float32 and out.device.type == "cpu"
+    group = lane_group(bits, B, torch.float32, lanes=None if out.device.type == "cpu" else 16)
+    static = dict(rows=rows, op=op, bits=bits, bucket_size=B, sid=sid)
+    whole, singles = _pieces(out, meta, codes, bucket_size=B, bits=bits, words=meta_words(sid))
+    if whole:
+        o, m, c = whole
+        own_w = own[: o.numel()].view(o.shape)
+        run_whole = wrap(decode_sum_buckets, group=group, **static)
+        if not staged:
+            run_whole(m, c, own_w, o, fac)
+        else:
+            chunks = _row_chunks(o.shape[0], max(1, _STAGED // B))
+            buf = torch.empty(max(stop - r for r, stop in chunks) * B, dtype=torch.float32,
+                              device=out.device)
+            for r, stop in chunks:
+                tmp = buf[: (stop - r) * B].view(-1, B)
+                run_whole(m.narrow(1, r, stop - r), c.narrow(1, r, stop - r), own_w[r:stop],
+                          tmp, fac)
+                o[r:stop].copy_(tmp)
+    run_single = wrap(decode_sum_bucket, **static)
+    for o, m, c, start in singles:
+        mine = torch.zeros(B, dtype=torch.float32, device=out.device)
+        mine[: o.numel()].copy_(own[start:start + o.numel()])
+        y = torch.empty(B, dtype=torch.float32, device=out.device)
+        run_single(m.contiguous(), _full_codes(c, B * bits // 8).contiguous(), mine, y, fac)
+        o.copy_(y[: o.numel()])
+
+
+@functools.lru_cache(maxsize=64)
+def _factor_tensor(factor: float, device: str) -> torch.Tensor:
+    # A 0-d tensor: Inductor would turn y / constant into a multiply (see quantize)
+    return torch.tensor(factor, dtype=torch.float32, device=device)

@@ -26,19 +26,33 @@ from ._common import (
 )
 
 
-def quantize(x: torch.Tensor, meta: torch.Tensor, codes: torch.Tensor, config, key: int, *,
-             wrap=eager) -> None:
+def quantize(x: torch.Tensor, meta: torch.Tensor, codes: torch.Tensor, config,
+             key: int | list[int], *, wrap=eager) -> None:
     """Quantize 1-D contiguous ``x`` into a payload's ``meta`` (fp32) and ``codes`` (uint8)
     views: the same signature as ``qcomm.kernels.quantize.quantize``, plus ``wrap``, how
     the pieces run (:func:`qcomm.cpu.compiled.compiled` or eagerly). ``key`` is
-    :func:`qcomm.constants.seed_key` of the call's seed. Shapes and dtypes are checked by
-    :mod:`qcomm.codec`, the one caller."""
+    :func:`qcomm.constants.seed_key` of the call's seed. Rows: ``x`` [R, n] (R >= 2,
+    rows of any stride), ``meta`` and ``codes`` [R, ...] (row r: payload r's views) and
+    ``key`` a list of R keys: every row is its own payload, in the same graph calls as
+    one. Shapes and dtypes are checked by :mod:`qcomm.codec`, the one caller."""
     sid = effective_scheme_id(config.scheme, config.bits)
+    rows_meta = None
+    if isinstance(key, int):
+        key = index_tensor(key, x.device)
+    else:  # [R, 1]: broadcast over each row's elements (int32: the lanes' type)
+        key = torch.tensor(key, dtype=torch.int32, device=x.device).view(-1, 1)
+        # The rows' metadata goes through a contiguous buffer: as views of one buffer
+        # whose rows interleave with the codes', the fp32 metadata and uint8 codes
+        # overlap in AOT autograd's eyes, and it refuses to mutate overlapping views of
+        # two dtypes in one graph. (1/256 of the bytes at 8 bits, buckets of 1024.)
+        rows_meta, meta = meta, torch.empty(meta.shape, dtype=torch.float32, device=x.device)
     quantize_flat(
         x, bits=config.bits, bucket_size=config.bucket_size, scheme=config.scheme,
         l2=config.norm == "l2", stochastic=config.rounding == "stochastic",
-        key=index_tensor(key, x.device), divisor=_divisor_tensor(sid, config.bits, str(x.device)),
+        key=key, divisor=_divisor_tensor(sid, config.bits, str(x.device)),
         meta_out=meta, codes_out=codes, wrap=wrap)
+    if rows_meta is not None:
+        rows_meta.copy_(meta)
 
 
 @functools.lru_cache(maxsize=64)
@@ -83,7 +97,8 @@ def quantize_flat(
     count, so Inductor indexes them without a division or modulo by a symbolic size
     per vector (the flat graph's loops had several), or tensors of fixed size.
     """
-    n = x.numel()
+    rows = x.dim() == 2 and meta_out is not None and meta_out.dim() == 2
+    n = x.shape[-1] if rows else x.numel()
     B = bucket_size
     sid = effective_scheme_id(scheme, bits)
     words = meta_words(sid)
@@ -96,11 +111,14 @@ def quantize_flat(
     # compile key, so a 2^31-element tensor gets its own graph.
     static = dict(bits=bits, bucket_size=B, sid=sid, l2=l2, stochastic=stochastic,
                   wide=n + B >= 2**31)
-    whole, singles = _pieces(x if x.dim() == 1 else x.reshape(-1), meta_out, codes_out,
-                             bucket_size=B, bits=bits, words=words)
+    whole, singles = _pieces(x if x.dim() == 1 or rows else x.reshape(-1), meta_out,
+                             codes_out, bucket_size=B, bits=bits, words=words)
+    per_row = x.shape[0] if rows else 1
     if whole:
         xw, mw, cw = whole
-        n_buckets, H = xw.shape[0], B // 2
+        n_buckets, H = xw.shape[-2], B // 2
+        # rows: [R, 1, 1], one key per row's buckets
+        whole_key = key.view(-1, 1, 1) if rows else key
         encode = wrap(encode_buckets, **static)
         # One loop computes the codes of both halves of every bucket from one hash each
         # (uniform). From fp32 the codes go straight into two views: the payload's halves
@@ -124,35 +142,37 @@ def quantize_flat(
         # store-forwarding stall: bf16 8-bit, 2^24, 0.57-0.60 -> 0.34-0.46 G elements/s),
         # so it keeps the in-graph arange.
         pos = positions(H, x.device) if fp32 else None
-        chunks = _row_chunks(n_buckets, CONVERT_CHUNK // B if via32 else n_buckets if direct
-                             else ENCODE_CHUNK // B)
-        most = max(stop - start for start, stop in chunks) * B  # buffer elements
+        chunks = _row_chunks(n_buckets, CONVERT_CHUNK // (B * per_row) if via32
+                             else n_buckets if direct else ENCODE_CHUNK // (B * per_row))
+        most = max(stop - start for start, stop in chunks) * B * per_row  # buffer elements
         scratch = buf32 = None
         for r, stop in chunks:
-            def part(t, r=r, stop=stop):  # the chunk's rows (all of t: no view op)
-                return t if len(chunks) == 1 else t[r:stop]
+            def part(t, r=r, stop=stop):  # the chunk's buckets (all of t: no view op)
+                return t if len(chunks) == 1 else t.narrow(-2, r, stop - r)
 
             first = index_tensor(r, x.device)
             src, m, c = part(xw), part(mw), part(cw)
             if via32:
                 if buf32 is None:
                     buf32 = torch.empty(most, dtype=torch.float32, device=x.device)
-                src = buf32[: src.numel()].view(-1, B).copy_(src)
+                src = buf32[: src.numel()].view(src.shape).copy_(src)
             if direct:
-                encode(src, m, c[:, :H], c[:, H:], pos, first=first, key=key, divisor=divisor)
+                encode(src, m, c[..., :H], c[..., H:], pos, first=first, key=whole_key,
+                       divisor=divisor)
                 continue
             if fp32:
                 if scratch is None:
                     scratch = torch.empty(most, dtype=torch.uint8, device=x.device)
-                dest = scratch[: src.numel()].view(-1, B)
-                encode(src, m, dest[:, :H], dest[:, H:], pos, first=first, key=key,
+                dest = scratch[: src.numel()].view(src.shape)
+                encode(src, m, dest[..., :H], dest[..., H:], pos, first=first, key=whole_key,
                        divisor=divisor)
                 halves = (dest, None)
             else:
-                halves = encode(src, m, None, None, pos, first=first, key=key, divisor=divisor)
+                halves = encode(src, m, None, None, pos, first=first, key=whole_key,
+                                divisor=divisor)
                 if bits == 8:
-                    c[:, :H].copy_(halves[0])
-                    c[:, H:].copy_(halves[1])
+                    c[..., :H].copy_(halves[0])
+                    c[..., H:].copy_(halves[1])
                     continue
             wrap(pack_buckets, bits=bits, bucket_size=B)(*halves, c)
     for piece in singles:
@@ -171,17 +191,23 @@ def _encode_single(encode, x, meta_out, codes_out, start, *, key, divisor, bucke
     start go in as 0-d tensors, data to the graph; codes beyond the bucket's are
     dropped."""
     B = bucket_size
-    n = x.numel()
-    padded = torch.zeros(B, dtype=torch.float32, device=x.device)
-    padded[:n].copy_(x)
-    whole = codes_out.numel() == B * bits // 8
-    codes = codes_out if whole else torch.empty(B * bits // 8, dtype=torch.uint8,
-                                                device=x.device)
-    encode(padded, meta_out, codes, length=index_tensor(n, x.device),
+    n = x.shape[-1]
+    padded = torch.zeros(*x.shape[:-1], B, dtype=torch.float32, device=x.device)
+    padded[..., :n].copy_(x)
+    # direct where whole and contiguous (rows: a row's stride changes with the size, and
+    # a fixed-shape graph fixes its strides too)
+    whole = codes_out.shape[-1] == B * bits // 8 and codes_out.is_contiguous()
+    codes = codes_out if whole else torch.empty(*x.shape[:-1], B * bits // 8,
+                                                dtype=torch.uint8, device=x.device)
+    meta = meta_out if meta_out.is_contiguous() else torch.empty(
+        meta_out.shape, dtype=meta_out.dtype, device=meta_out.device)
+    encode(padded, meta, codes, length=index_tensor(n, x.device),
            start=index_tensor(start, x.device), key=key,
            divisor=divisor)
     if not whole:
-        codes_out.copy_(codes[: codes_out.numel()])
+        codes_out.copy_(codes[..., : codes_out.shape[-1]])
+    if meta is not meta_out:
+        meta_out.copy_(meta)
 
 
 # Elements quantize_flat encodes per call where the codes pass through byte buffers
@@ -220,7 +246,7 @@ def encode_buckets(x, meta_out, lo_out, hi_out, pos, *, first, key, divisor, bit
     :func:`positions` of B / 2, or None (an arange in the graph). ``bucket_size`` (B)
     is not read: it keys the codec's compile cache, as every static argument of these
     pieces does."""
-    n_buckets, B = x.shape
+    n_buckets, B = x.shape[-2:]
     H = B // 2
     xf = x.to(torch.float32)
     meta, per = _bucket_stats(xf, None, sid=sid, bits=bits, l2=l2, divisor=divisor)
@@ -236,7 +262,7 @@ def encode_buckets(x, meta_out, lo_out, hi_out, pos, *, first, key, divisor, bit
     else:
         u_lo = u_hi = None
     lo, hi = [_codes(half, per, u, sid=sid, bits=bits).to(torch.uint8)
-              for half, u in ((xf[:, :H], u_lo), (xf[:, H:], u_hi))]
+              for half, u in ((xf[..., :H], u_lo), (xf[..., H:], u_hi))]
     if lo_out is None:
         return lo, hi
     lo_out.copy_(lo)
@@ -251,7 +277,7 @@ def pack_buckets(codes, codes_hi, codes_out, *, bits, bucket_size):
     ``bucket_size`` is not read: it keys the compile cache, so each bucket size has its
     own graph (a second size recompiled the shared one, which turned its direct calls
     off: Dynamo marks only the bucket count dynamic)."""
-    both = codes if codes_hi is None else torch.cat((codes, codes_hi), dim=1)
+    both = codes if codes_hi is None else torch.cat((codes, codes_hi), dim=-1)
     codes_out.copy_(pack_codes(both, bits))
 
 
@@ -265,16 +291,16 @@ def encode_bucket(x, meta_out, codes_out, *, length, start, key, divisor, bucket
     B = bucket_size
     pos = torch.arange(B, device=x.device)
     valid = (pos < length).view(1, B)
-    padded = x.view(1, B)
+    padded = x.view(-1, B)  # [1, B], or [R, B] (rows, each with its own key)
     meta, per = _bucket_stats(padded, valid, sid=sid, bits=bits, l2=l2, divisor=divisor)
     if stochastic:
         index = start.to(torch.int64 if wide else torch.int32) + pos.to(torch.int32)
-        u = uniform(index, key, B).view(1, B)
+        u = uniform(index, key, B).view(-1, B)
     else:
         u = None
     codes = torch.where(valid, _codes(padded, per, u, sid=sid, bits=bits), 0.0)
-    meta_out.copy_(meta.reshape(-1))
-    codes_out.copy_(pack_codes(codes.reshape(-1).to(torch.uint8), bits))
+    meta_out.copy_(meta.view(meta_out.shape))
+    codes_out.copy_(pack_codes(codes.view(*codes_out.shape[:-1], B).to(torch.uint8), bits))
 
 
 # Fixed shapes: the codec compiles these without dynamic sizes (one graph per configuration)
@@ -308,7 +334,7 @@ def _bucket_stats(xp, valid, *, sid, bits, l2, divisor):
         hi_in = xp if valid is None else torch.where(valid, xp, float("-inf"))
         offset = _bucket_reduce(lo_in, torch.amin)
         step = (_bucket_reduce(hi_in, torch.amax) - offset) / divisor
-        meta = torch.cat([torch.where(bad, nan, offset), torch.where(bad, nan, step)], dim=1)
+        meta = torch.cat([torch.where(bad, nan, offset), torch.where(bad, nan, step)], dim=-1)
     else:  # padding is 0: it changes neither max |x| nor the L2 norm
         if l2:
             scale = _bucket_reduce(xp.to(torch.float64).square(), torch.sum).sqrt()
@@ -326,8 +352,8 @@ def _bucket_stats(xp, valid, *, sid, bits, l2, divisor):
     s = torch.where(step < TINY, BOOST, 1.0)
     inv = torch.where((step > 0) & ~bad, 1.0 / (step * s), 0.0)
     if sid != 0:
-        cat = torch.cat([offset, s, inv, level], dim=1)
-        offset, s, inv, level = (cat[:, i:i + 1] for i in range(4))
+        cat = torch.cat([offset, s, inv, level], dim=-1)
+        offset, s, inv, level = (cat[..., i:i + 1] for i in range(4))
     return meta, (offset, s, inv, level)
 
 

@@ -1,0 +1,137 @@
+"""``python -m bench rows``: a collective's codec calls per piece, one call per payload
+against one call for all of them, by world size W and size.
+
+What each side of a compressed collective runs on one piece of ``numel`` elements per
+rank, timed side by side in one process on the same buffers (8 bits, min-max,
+buckets of 1024 unless told otherwise):
+
+- ``ag-decode``: an all-gather's receive side, W payloads decoded into the output's W
+  slots: W ``dequantize`` calls (``per-payload``) against one ``dequantize_rows``.
+- ``rs-encode``: a reduce-scatter's send side, the W - 1 peer chunks quantized: W - 1
+  ``quantize`` calls against one ``quantize_rows(skip=rank)``.
+- ``rs-decode``: its receive side, own chunk plus W - 1 payloads summed in fp32,
+  averaged and stored into the output: a copy, W - 1 accumulating ``dequantize`` calls,
+  a divide and a copy out against one ``dequantize_sum``.
+
+``calls``: codec calls of each way; ``pieces``: the torch path's graph or loop calls
+inside them (on CPU), read from the path's counter. The per-payload way is what the
+collectives ran before the row calls (commit 91d1fec).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import qcomm
+from qcomm.config import SCHEMES, QuantConfig
+from qcomm.cpu import _common
+
+from . import common
+from .common import Column
+
+OPS = ("ag-decode", "rs-encode", "rs-decode")
+
+
+def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
+    p.add_argument("--sizes", type=common.arg(common.parse_sizes),
+                   default=common.parse_sizes("10..20:2"),
+                   help="elements per rank's piece (default 2^10..2^20, every other power)")
+    p.add_argument("--worlds", type=common.arg(lambda s: [int(w) for w in s.split(",")]),
+                   default=[2, 4, 8, 16], help="world sizes W (default 2,4,8,16)")
+    p.add_argument("--bits", type=int, default=8)
+    p.add_argument("--scheme", choices=SCHEMES, default="minmax")
+    p.add_argument("--iters", type=int, default=20, help="timed calls per point (median)")
+    p.add_argument("--budget", type=float, default=0.5,
+                   help="seconds of timed calls per point and way at most (default 0.5)")
+    p.add_argument("--device", default="cuda" if on_gpu else "cpu")
+
+
+def _ways(op: str, q: QuantConfig, W: int, n: int, device):
+    """(per-payload, rows) callables of one op, on buffers of their own."""
+    g = torch.Generator().manual_seed(W * n)
+    x = torch.randn(W, n, generator=g).to(device)
+    nb = qcomm.packed_nbytes(n, q)
+    seeds = list(range(W))
+    payloads = torch.empty(W, nb, dtype=torch.uint8, device=device)
+    qcomm.quantize_rows(x, q, seeds, out=payloads)
+    out = torch.empty(W, n, device=device)
+    if op == "ag-decode":
+        packed = [qcomm.Packed(payloads[r], n, torch.float32, q) for r in range(W)]
+
+        def per_payload():
+            for r in range(W):
+                qcomm.dequantize(packed[r], out=out[r], check=False)
+
+        return per_payload, lambda: qcomm.dequantize_rows(payloads, n, torch.float32, q,
+                                                          out=out, check=False)
+    if op == "rs-encode":
+        def per_payload():
+            for r in range(1, W):
+                qcomm.quantize(x[r], q, seed=seeds[r], out=payloads[r])
+
+        return per_payload, lambda: qcomm.quantize_rows(x, q, seeds, out=payloads, skip=0)
+    acc = torch.empty(n, device=device)
+    packed = [qcomm.Packed(payloads[r], n, torch.float32, q) for r in range(W)]
+
+    def per_payload():
+        acc.copy_(x[0])
+        for r in range(1, W):
+            qcomm.dequantize(packed[r], out=acc, accumulate=True, check=False)
+        acc.div_(W)
+        out[0].copy_(acc)
+
+    return per_payload, lambda: qcomm.dequantize_sum(payloads, n, torch.float32, q, own=x[0],
+                                                     out=out[0], skip=0, op="avg", factor=W,
+                                                     check=False)
+
+
+def _counted(fn) -> tuple[int, int]:
+    from qcomm import codec
+
+    before, pieces = sum(codec.calls.values()), sum(_common.calls.values())
+    fn()
+    return sum(codec.calls.values()) - before, sum(_common.calls.values()) - pieces
+
+
+@torch.no_grad()
+def run(args) -> list[dict]:
+    device = torch.device(args.device)
+    q = QuantConfig(bits=args.bits, scheme=args.scheme)
+    timeit = lambda fn: common.measure(fn, iters=args.iters, budget_s=args.budget,  # noqa: E731
+                                       sync=common.sync_fn(device), cuda=device.type == "cuda")
+    rows = []
+    for op in OPS:
+        for W in args.worlds:
+            for n in args.sizes:
+                loop, batched = _ways(op, q, W, n, device)
+                loop(), batched()  # compiles
+                row = {"op": op, "world": W, "numel": n}
+                row["loop_calls"], row["loop_pieces"] = _counted(loop)
+                row["rows_calls"], row["rows_pieces"] = _counted(batched)
+                row["loop_us"] = timeit(loop) * 1e6
+                row["rows_us"] = timeit(batched) * 1e6
+                row["speedup"] = row["loop_us"] / row["rows_us"]
+                rows.append(row)
+                print(f"# {op} W={W} n={n}: {row['loop_us']:.0f} -> {row['rows_us']:.0f} us",
+                      file=sys.stderr, flush=True)
+    return rows
+
+
+def columns() -> list[Column]:
+    return [Column("op", "op"), Column("world", "W"), Column("numel", "elements"),
+            Column("loop_calls", "calls per payload"), Column("rows_calls", "calls rows"),
+            Column("loop_pieces", "pieces per payload"), Column("rows_pieces", "pieces rows"),
+            Column("loop_us", "per payload us", "{:.1f}"), Column("rows_us", "rows us", "{:.1f}"),
+            Column("speedup", "speedup", "{:.2f}x")]
+
+
+def main(args) -> int:
+    header = common.start_local("rows", args, {
+        "sizes": args.sizes, "worlds": args.worlds, "bits": args.bits, "scheme": args.scheme,
+        "iters": args.iters, "budget_s": args.budget})
+    rows = run(args)
+    common.report("rows", header, columns(), rows, args.out, "rows")
+    return 0
