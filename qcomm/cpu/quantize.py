@@ -34,9 +34,14 @@ def quantize(x: torch.Tensor, meta: torch.Tensor, codes: torch.Tensor, config,
     :func:`qcomm.constants.seed_key` of the call's seed. Rows: ``x`` [R, n] (R >= 2,
     rows of any stride), ``meta`` and ``codes`` [R, ...] (row r: payload r's views) and
     ``key`` a list of R keys: every row is its own payload, in the same graph calls as
-    one. Shapes and dtypes are checked by :mod:`qcomm.codec`, the one caller."""
+    one (rows of over :data:`ROWS_SPLIT` elements: a call per row). Shapes and dtypes
+    are checked by :mod:`qcomm.codec`, the one caller."""
     sid = effective_scheme_id(config.scheme, config.bits)
     rows_meta = None
+    if not isinstance(key, int) and x.shape[-1] > ROWS_SPLIT:
+        for r, k in enumerate(key):
+            quantize(x[r], meta[r], codes[r], config, k, wrap=wrap)
+        return
     if isinstance(key, int):
         key = index_tensor(key, x.device)
     else:  # [R, 1]: broadcast over each row's elements (int32: the lanes' type)
@@ -119,7 +124,11 @@ def quantize_flat(
         n_buckets, H = xw.shape[-2], B // 2
         # rows: [R, 1, 1], one key per row's buckets
         whole_key = key.view(-1, 1, 1) if rows else key
-        encode = wrap(encode_buckets, **static)
+        # Rows: the codes go into one [rows, buckets, B] view, split inside the graph.
+        # Two mutated views of one buffer whose rows interleave (each row's halves) made
+        # AOT autograd pass the buffer itself as a "synthetic base" of fixed size, which
+        # failed on the next call of another size.
+        encode = wrap(encode_buckets, **static, joined=rows)
         # One loop computes the codes of both halves of every bucket from one hash each
         # (uniform). From fp32 the codes go straight into two views: the payload's halves
         # (8 bits) or those of one byte buffer to pack. From bf16/fp16 they come back
@@ -157,15 +166,15 @@ def quantize_flat(
                     buf32 = torch.empty(most, dtype=torch.float32, device=x.device)
                 src = buf32[: src.numel()].view(src.shape).copy_(src)
             if direct:
-                encode(src, m, c[..., :H], c[..., H:], pos, first=first, key=whole_key,
-                       divisor=divisor)
+                lo, hi = (c, None) if rows else (c[..., :H], c[..., H:])
+                encode(src, m, lo, hi, pos, first=first, key=whole_key, divisor=divisor)
                 continue
             if fp32:
                 if scratch is None:
                     scratch = torch.empty(most, dtype=torch.uint8, device=x.device)
                 dest = scratch[: src.numel()].view(src.shape)
-                encode(src, m, dest[..., :H], dest[..., H:], pos, first=first, key=whole_key,
-                       divisor=divisor)
+                lo, hi = (dest, None) if rows else (dest[..., :H], dest[..., H:])
+                encode(src, m, lo, hi, pos, first=first, key=whole_key, divisor=divisor)
                 halves = (dest, None)
             else:
                 halves = encode(src, m, None, None, pos, first=first, key=whole_key,
@@ -218,6 +227,11 @@ def _encode_single(encode, x, meta_out, codes_out, start, *, key, divisor, bucke
 # 5-20% to per-call costs): fp32 2-bit 0.29 -> 0.41, 4-bit 0.33 -> 0.42; bf16 2-bit
 # 0.28 -> 0.46, 4-bit 0.32 -> 0.45, 8-bit 0.46 -> 0.56.
 ENCODE_CHUNK = 1 << 24
+# Rows longer than this are quantized one row per graph call: past it a row's call costs
+# far more than its fixed ~50-100 us, and the [rows, buckets, B] graph ran 0.59-0.85x
+# as fast as one call per row at 2^20 elements a row, W = 4-16, while 1.02-1.24x at
+# 2^18 (8 bits, fp32, AMD EPYC 2 cores AVX-512, `python -m bench rows`).
+ROWS_SPLIT = 1 << 18
 # Elements of a bf16/fp16 tensor converted to fp32 at a time before a nuq quantize (a
 # 16 MiB buffer, under the same ceiling). nuq from bf16, 1 thread, Zen 3, G elements/s,
 # best of three alternating runs, direct -> through fp32: 2^24 8-bit 0.36 -> 0.44,
@@ -238,14 +252,15 @@ def positions(n: int, device: torch.device) -> torch.Tensor:
 
 
 def encode_buckets(x, meta_out, lo_out, hi_out, pos, *, first, key, divisor, bits,
-                   bucket_size, sid, l2, stochastic, wide):
+                   bucket_size, sid, l2, stochastic, wide, joined=False):
     """Quantize full buckets ``x`` [buckets, B] (the first one bucket number ``first``, a 0-d
     tensor: element indices from ``first * B``) into ``meta_out`` [buckets, words] and the codes,
     one byte each, of each bucket's two halves: into ``lo_out`` and ``hi_out``
     [buckets, B / 2] (views) if given, else returned as two new tensors. ``pos`` is
     :func:`positions` of B / 2, or None (an arange in the graph). ``bucket_size`` (B)
     is not read: it keys the codec's compile cache, as every static argument of these
-    pieces does."""
+    pieces does. Rows (``x`` [rows, buckets, B], ``key`` [rows, 1, 1]): ``joined``, and
+    ``lo_out`` [rows, buckets, B] takes both halves (``hi_out`` None)."""
     n_buckets, B = x.shape[-2:]
     H = B // 2
     xf = x.to(torch.float32)
@@ -263,6 +278,9 @@ def encode_buckets(x, meta_out, lo_out, hi_out, pos, *, first, key, divisor, bit
         u_lo = u_hi = None
     lo, hi = [_codes(half, per, u, sid=sid, bits=bits).to(torch.uint8)
               for half, u in ((xf[..., :H], u_lo), (xf[..., H:], u_hi))]
+    if joined and lo_out is not None:  # lo_out: all of each bucket's codes
+        lo_out.copy_(torch.cat((lo, hi), dim=-1))
+        return
     if lo_out is None:
         return lo, hi
     lo_out.copy_(lo)
