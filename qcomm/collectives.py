@@ -15,14 +15,15 @@ algorithms below are what the driver runs when a call is compressed.
 Algorithms (``world`` ranks, payloads from :func:`qcomm.quantize`, fixed size per call):
 
 - all-gather: quantize the local shard into one payload, all-gather the payloads,
-  dequantize every shard (this rank's own included) into the output: all ranks hold
-  identical values. The input is read before the output is written (FSDP2 gathers in
-  place: its input is a view into its output).
+  dequantize every shard (this rank's own included) into the output in one row call
+  (:func:`qcomm.codec.dequantize_rows`): all ranks hold identical values. The input is
+  read before the output is written (FSDP2 gathers in place: its input is a view into
+  its output).
 - reduce-scatter: quantize the ``world - 1`` peer chunks, one payload each (every payload
-  carries its own header, and the wire layout puts a payload's meta before its codes,
-  so one quantize over the whole input would not split into per-chunk payloads),
-  exchange them with one all-to-all, then accumulate in fp32: this rank's own chunk
-  exact, each received chunk dequantized once.
+  carries its own header), in one row call (:func:`qcomm.codec.quantize_rows`), exchange
+  them with one all-to-all, then sum in fp32 in one call
+  (:func:`qcomm.codec.dequantize_sum`): this rank's own chunk exact, each received chunk
+  decoded once, the op applied and the result cast to the output's dtype.
 - all-reduce (CGX's scatter-reduce-allgather): the reduce-scatter above into fp32,
   then the all-gather above of the re-quantized reduced chunk. Sizes not divisible by
   ``world`` are zero-padded.
