@@ -36,12 +36,12 @@ log = logging.getLogger("qcomm")
 _c10d = dist.distributed_c10d
 
 
-def _combine(works: list, result=None):
+def _combine(works: list):
     """One Work for several (:class:`qcomm.engine.Works`); the Work itself for one."""
     works = [w for w in works if w is not None]
     if len(works) == 1:
         return works[0]
-    return Works(works, result) if works else I.completed_work(result)
+    return Works(works) if works else I.completed_work()
 
 
 def _reduce_op(opts):
