@@ -54,6 +54,8 @@ Failures are errors, never wrong numbers or hangs (tests/test_reliability.py):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.distributed import ReduceOp
 
@@ -87,6 +89,13 @@ def as_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     if step < n:  # overlapping (or reversed) slices: not rows
         return None
     return t0.as_strided((len(tensors), n), (step, 1))
+
+
+@functools.lru_cache(maxsize=64)
+def _index(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``order`` as an index tensor on ``device``, made once (on CUDA each would be a
+    host-to-device copy that blocks the host)."""
+    return torch.tensor(order, device=device)
 
 
 def reduce_op(op, world: int) -> tuple[str, float]:
@@ -337,7 +346,7 @@ def two_level_all_gather(call: Call, outs: list[torch.Tensor], inp: torch.Tensor
     # received row local * nodes + k holds group rank members[k][local]'s payload
     where = {topo.members[k][local]: local * nodes + k
              for local in range(per_node) for k in range(nodes)}
-    order = torch.tensor([where[g] for g in range(nodes * per_node)], device=device)
+    order = tuple(where[g] for g in range(nodes * per_node))
     parts = pieces(n, q.bucket_size)
     sizes = [packed_nbytes(b - a, q) for a, b in parts]
     starts = [sum(sizes[:p]) for p in range(len(parts))]
@@ -371,11 +380,11 @@ def two_level_all_gather(call: Call, outs: list[torch.Tensor], inp: torch.Tensor
         if out_rows is not None:  # into group-rank order: one copy of the payload bytes
             ordered = call.buffer("ag2_order", per_node * nodes * nbytes, torch.uint8, device)
             ordered = ordered.view(per_node * nodes, nbytes)
-            torch.index_select(rows, 0, order, out=ordered)
+            torch.index_select(rows, 0, _index(order, device), out=ordered)
             dequantize_rows(ordered, b - a, inp.dtype, q, out=out_rows[:, a:b],
                             accumulate=accumulate, check=False)
         else:
-            for i, g in enumerate(order.tolist()):
+            for i, g in enumerate(order):
                 dequantize_rows(rows[g:g + 1], b - a, inp.dtype, q,
                                 out=flat_out[i].view(1, -1)[:, a:b], accumulate=accumulate,
                                 check=False)
