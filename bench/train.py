@@ -205,7 +205,8 @@ def parse_variant(name: str) -> dict:
     nearest; ``wbN`` / ``gbN`` their bucket size N; ``wd`` weights sent as differences
     (:func:`qcomm.fsdp.quantize_weight_deltas`) and ``ge`` gradients with error feedback
     (:func:`qcomm.fsdp.feed_back_gradient_errors`): these two the worker reads from the
-    name (:data:`STATEFUL`), not from the environment; ``flat`` / ``auto`` the
+    name (:data:`STATEFUL`), not from the environment, and so ``wsN`` / ``wsd`` /
+    ``ws32`` their state (:func:`fsdp_state`; default 8-bit codes); ``flat`` / ``auto`` the
     topology (``QCOMM_TOPOLOGY``).
     """
     if name == "fp32":
@@ -229,10 +230,29 @@ def parse_variant(name: str) -> dict:
             env["QCOMM_RS_BUCKET"] = opt[2:]
         elif opt in ("flat", "auto"):
             env["QCOMM_TOPOLOGY"] = opt
+        elif opt.startswith("ws"):
+            fsdp_state(opt)  # checked here; the worker reads it from the name
         elif opt not in STATEFUL:
             raise ValueError(f"bad variant {name!r}: option {opt!r} "
-                             "(nuq, maxnorm, wn, gn, wbN, gbN, wd, ge, flat, auto)")
+                             "(nuq, maxnorm, wn, gn, wbN, gbN, wd, ge, wsN, wsd, ws32, flat, "
+                             "auto)")
     return env
+
+
+def fsdp_state(opt: str):
+    """A ``ws...`` option -> the ``state=`` of qcomm.fsdp's collectives: ``ws32`` fp32,
+    ``wsd`` the tensors' dtype, ``wsN`` N-bit nearest codes in 128-element buckets
+    (``ws8`` is the default, :data:`qcomm.fsdp.DEFAULT_STATE`)."""
+    import qcomm.fsdp
+
+    if opt == "ws32":
+        return qcomm.fsdp.STATE_FP32
+    if opt == "wsd":
+        return qcomm.fsdp.STATE_DTYPE
+    bits = opt[2:]
+    if not bits.isdigit() or not 1 <= int(bits) <= 8:
+        raise ValueError(f"bad variant option {opt!r}: use ws32, wsd or wsN (N in 1-8)")
+    return qcomm.fsdp.DEFAULT_STATE.replace(bits=int(bits))
 
 
 # ----------------------------------------------------------------------------- rank
@@ -284,11 +304,14 @@ def worker(spec: dict) -> dict:
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    for opt in spec["name"].split("-")[1:]:
+    options = spec["name"].split("-")[1:]
+    state = next((fsdp_state(o) for o in options if o.startswith("ws")), None)
+    for opt in options:
         if opt in STATEFUL:
             import qcomm.fsdp
 
-            getattr(qcomm.fsdp, STATEFUL[opt])(model)
+            getattr(qcomm.fsdp, STATEFUL[opt])(
+                model, **({} if state is None else {"state": state}))
     opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.1,
                             betas=(0.9, 0.95))
     B, T, steps = spec["batch"], cfg.seq, spec["steps"]
@@ -630,8 +653,8 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
                                                            parse_variant(v) is not None]),
                    default=None,
                    help="fp32 first (the baseline); wAgB[-nuq|-maxnorm|-wn|-gn|-wbN|-gbN|-wd|-ge"
-                        "|-flat|-auto] (default " + ",".join(VARIANTS) + "; with --nodes "
-                        + ",".join(NODE_VARIANTS) + ")")
+                        "|-wsN|-wsd|-ws32|-flat|-auto] (default " + ",".join(VARIANTS)
+                        + "; with --nodes " + ",".join(NODE_VARIANTS) + ")")
     p.add_argument("--mode", type=common.arg(lambda s: common.parse_list(s, MODES, "--mode")),
                    default=["fsdp2"],
                    help="comma list: fsdp2 (full shard over all ranks), hsdp (replicate "

@@ -112,11 +112,13 @@ def reduce_op(op, world: int) -> tuple[str, float]:
 
 @torch.no_grad()
 def packed_all_gather(call: Call, outs: list[torch.Tensor], inp: torch.Tensor, seed: int, *,
-                      check=None, accumulate: bool = False) -> int:
+                      check=None, accumulate: bool = False, decode=None) -> int:
     """All-gather ``inp`` from every rank into ``outs[r]`` as payloads (``accumulate``:
     added into fp32 ``outs``); returns the bytes this rank sends each peer. ``check``, a
     started descriptor check, is finished after the first quantize and before anything
-    is sent or written.
+    is sent or written. ``decode(p, a, b, rows)``, when given, decodes piece ``p``
+    (elements ``[a, b)`` of every shard; ``rows`` its [world, nbytes] payloads in rank
+    order) instead (:class:`qcomm.fsdp.DeltaAllGather`'s reconstruction).
 
     A shard of more than :data:`PIECE` elements goes as a pipeline of pieces, one
     payload each (seeds ``seed ^ p << 56``; piece 0's is ``seed``, so a one-piece call
@@ -153,7 +155,9 @@ def packed_all_gather(call: Call, outs: list[torch.Tensor], inp: torch.Tensor, s
         rows = recv[world * start: world * (start + nbytes)].view(world, nbytes)
         call.check_received(rows, b - a, inp.dtype)
         # payload sizes are multiples of 16 bytes: every row's fp32 meta view is aligned
-        if out_rows is not None:
+        if decode is not None:
+            decode(p, a, b, rows)
+        elif out_rows is not None:
             dequantize_rows(rows, b - a, inp.dtype, q, out=out_rows[:, a:b],
                             accumulate=accumulate, check=False)
         else:
@@ -168,7 +172,7 @@ def packed_all_gather(call: Call, outs: list[torch.Tensor], inp: torch.Tensor, s
 @torch.no_grad()
 def packed_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list[int], *,
                           out: torch.Tensor, op=None, world: int | None = None, check=None,
-                          residuals: list[torch.Tensor] | None = None) -> int:
+                          residuals=None) -> int:
     """Sum ``chunks[j]`` of every rank into rank j: ``out`` (1-D, contiguous, any float
     dtype; may be this rank's own chunk) gets this rank's chunk summed in fp32, the
     reduce ``op`` applied (AVG divides by ``world``, default the group's size) and cast;
@@ -177,9 +181,10 @@ def packed_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list[in
     all-to-all is on the wire, and decoded into the sum while the later ones travel.
     Per piece, one quantize of the peer chunks (:func:`qcomm.codec.quantize_rows`) and
     one fused decode, sum, op and cast (:func:`qcomm.codec.dequantize_sum`), whatever
-    the world size. ``residuals`` (error feedback): fp32, one per chunk, rows of one
-    buffer; what the last call's quantization left out is added to each peer chunk
-    before it is quantized, and what this one leaves out replaces it."""
+    the world size. ``residuals`` (error feedback, :class:`qcomm.fsdp.PieceState`): per
+    piece, ``load(call, p, a, b)`` gives the fp32 [size, b - a] rows of what the last
+    call's quantization left out of each peer chunk, which is added to the chunk before
+    it is quantized, and ``store(p, rows)`` keeps what this one leaves out."""
     size, rank, q = len(chunks), call.rank, call.q
     n = chunks[0].numel()
     dtype, device = chunks[0].dtype, chunks[0].device
@@ -192,19 +197,18 @@ def packed_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list[in
     total = sum(sizes)
     send_all = call.buffer("rs_send", size * total, torch.uint8, device)
     recv_all = call.buffer("rs_recv", size * total, torch.uint8, device)
-    fed_rows = None if residuals is None else as_rows(residuals)
-    if residuals is not None and fed_rows is None:
-        raise ValueError("packed_reduce_scatter: residuals must be the rows of one buffer")
     inflight, start = [], 0
     for p, (a, b) in enumerate(parts):
         nbytes = sizes[p]
         send = send_all[size * start: size * (start + nbytes)].view(size, nbytes)
         piece_seeds = [s ^ (p << 56) for s in seeds]
-        if fed_rows is None:
+        if residuals is None:
             # the own chunk stays exact; its slot only travels to itself
             quantize_rows(x[:, a:b], q, piece_seeds, out=send, skip=rank)
         else:
-            _quantize_fed(call, x[:, a:b], fed_rows[:, a:b], piece_seeds, send)
+            fed = residuals.load(call, p, a, b)
+            _quantize_fed(call, x[:, a:b], fed, piece_seeds, send)
+            residuals.store(p, fed)
         if p == 0 and check is not None:
             check.finish()
         recv = recv_all[size * start: size * (start + nbytes)]
@@ -322,7 +326,8 @@ def two_level_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list
 
 @torch.no_grad()
 def two_level_all_gather(call: Call, outs: list[torch.Tensor], inp: torch.Tensor, seed: int,
-                         *, check=None, accumulate: bool = False) -> tuple[int, int]:
+                         *, check=None, accumulate: bool = False,
+                         decode=None) -> tuple[int, int]:
     """:func:`packed_all_gather` in two levels: the ranks of this rank's local index
     all-gather their payloads across nodes, then the node all-gathers those payloads
     (bytes, exact: a quarter of the decoded fp32 shards at 8 bits), and every rank
@@ -334,8 +339,8 @@ def two_level_all_gather(call: Call, outs: list[torch.Tensor], inp: torch.Tensor
     p + 1 left the link idle for each quantize and hand-over: 1.28x over flat, against
     the bytes' 1.5x); piece p is exchanged inside the node and decoded while the later
     ones cross. Every quantize precedes every output write (FSDP2's input is a view
-    into its output). ``accumulate`` as there. Returns (bytes sent, of them inside the
-    node)."""
+    into its output). ``accumulate`` and ``decode`` as there. Returns (bytes sent, of
+    them inside the node)."""
     topo = call.topology
     intra, inter = call.subgroups()
     nodes, per_node = topo.nodes, topo.per_node
@@ -377,12 +382,16 @@ def two_level_all_gather(call: Call, outs: list[torch.Tensor], inp: torch.Tensor
                call.rank)
         rows = rows.view(per_node * nodes, nbytes)
         call.check_received(rows, b - a, inp.dtype)
-        if out_rows is not None:  # into group-rank order: one copy of the payload bytes
+        if out_rows is not None or decode is not None:
+            # into group-rank order: one copy of the payload bytes
             ordered = call.buffer("ag2_order", per_node * nodes * nbytes, torch.uint8, device)
             ordered = ordered.view(per_node * nodes, nbytes)
             torch.index_select(rows, 0, _index(order, device), out=ordered)
-            dequantize_rows(ordered, b - a, inp.dtype, q, out=out_rows[:, a:b],
-                            accumulate=accumulate, check=False)
+            if decode is not None:
+                decode(p, a, b, ordered)
+            else:
+                dequantize_rows(ordered, b - a, inp.dtype, q, out=out_rows[:, a:b],
+                                accumulate=accumulate, check=False)
         else:
             for i, g in enumerate(order):
                 dequantize_rows(rows[g:g + 1], b - a, inp.dtype, q,
@@ -498,8 +507,8 @@ def scatter_from(group, out: torch.Tensor, chunks: list[torch.Tensor],
     """Reduce-scatter of per-rank input ``chunks`` (views of ``inp_flat`` when given)
     into ``out``; ``exact(op, chunks)`` is the passthrough (default: the inner flat
     reduce-scatter of ``inp_flat``); ``can_compress=False`` forces it.
-    ``residuals(world, n, device)``, when given, returns the error-feedback buffers of
-    a compressed call (:func:`packed_reduce_scatter`)."""
+    ``residuals(world, n, dtype, device, parts)``, when given, returns the error-feedback
+    state of a compressed call (:func:`packed_reduce_scatter`; ``parts`` its pieces)."""
     group = I.default(group)
     world, n = group.size(), out.numel()
 
@@ -527,7 +536,8 @@ def scatter_from(group, out: torch.Tensor, chunks: list[torch.Tensor],
         # error feedback keeps per-peer residuals: one level
         nbytes = packed_reduce_scatter(
             call, chunks, seeds, out=flat_out, op=op, check=check,
-            residuals=None if residuals is None else residuals(world, n, out.device))
+            residuals=None if residuals is None else residuals(
+                world, n, chunks[0].dtype, out.device, pieces(n, call.q.bucket_size)))
         return call.flat_bytes(peer_bytes(world, nbytes))
 
     return run(group, "reduce_scatter", tensor=out, numel=n,

@@ -7,21 +7,23 @@ step, afresh: at 4 bits that is ~10% relative error on each weight matrix
 the *difference* between a rank's shard and the reconstruction every rank already holds
 (SDP4Bit's qWD, with the error fed back):
 
-    ref        fp32, the unsharded flat parameters as all ranks last reconstructed them
-               (identical on every rank: the same payloads decoded by the same code)
+    ref        the unsharded flat parameters as all ranks last reconstructed them
+               (identical on every rank: the same bytes decoded by the same code)
     delta_r  = shard_r - ref[r]                     on rank r, in fp32
     send       quantize(delta_r)                    (the group's all-gather QuantConfig)
-    ref[s]  += dequantize(payload_s)                on every rank, for every rank s
-    output   = ref                                  (cast to the parameters' dtype)
+    sum[s]   = ref[s] + dequantize(payload_s)       on every rank, for every rank s, fp32
+    output   = sum                                  (cast to the parameters' dtype)
+    ref      = round(sum)                           kept as ``state`` says, below
 
-What one gather gets wrong is part of the next delta, so the weights' error stays a
-fraction of one step's change instead of a fraction of the weights (tests: 0.05%
-instead of 9.8% at 4 bits). ``ref`` starts at zero, so the first gather is a plain
-quantized gather and each later one refines it (FSDP2 gathers every module in forward
-and again in backward; the backward gather sends the forward one's residual). Every
-call has the same size on the wire, so ranks never disagree on what a call sends.
-Measured (README, 1200 steps, 3 paired seeds): W4G4 +0.36% held-out loss against fp32
-communication with differences, +2.84% without; 2-bit differences -0.07%.
+What one gather gets wrong, and what ``round`` leaves out, is part of the next delta,
+so the weights' error stays a fraction of one step's change instead of a fraction of
+the weights (tests, 4 bits: 0.05-0.07% instead of 9.8%). ``ref`` starts at zero, so the
+first gather is a plain quantized gather and each later one refines it (FSDP2 gathers
+every module in forward and again in backward; the backward gather sends the forward
+one's residual). Every call has the same size on the wire, so ranks never disagree on
+what a call sends. Measured (README, 1200 steps, 3 paired seeds): W4G4 +0.36% held-out
+loss against fp32 communication with differences, +2.84% without; 2-bit differences
+-0.07%.
 
 :class:`ErrorFeedbackReduceScatter` does the same for gradients: each rank adds what
 its previous quantized send of a chunk left out to the chunk it sends next. Measured,
@@ -29,12 +31,22 @@ it made stochastically rounded 4-bit gradients *worse* under AdamW (+1.44% again
 +0.36%): unbiased rounding needs no feedback. With ``rounding="nearest"`` it was +0.66%
 (within noise), no better than stochastic rounding alone.
 
-Cost: one fp32 buffer of the module's unsharded size on every rank, per class (FSDP2
-frees the unsharded parameters after use; these stay). Use them where the bytes on the
-wire matter more than that memory. Use::
+State (``state=``, per class and module, the module's unsharded size on every rank;
+FSDP2 frees the unsharded parameters after use, this stays):
+
+- :data:`DEFAULT_STATE`, 8-bit minmax codes rounded to nearest in 128-element buckets:
+  1.06 bytes a parameter (a 70B model: ~74 GB a rank instead of 280).
+- ``"dtype"``: the parameters' (gradients') dtype, rounded to nearest even: 2 bytes for
+  bf16 parameters.
+- ``"float32"``: 4 bytes, every difference summed exactly (what qcomm did before).
+
+Every rank applies the same deterministic rounding to the same fp32 sums, so every
+rank keeps, and computes with, the same bits. Opt in per module where the bytes on the
+wire matter more than that memory (``include=``). Use::
 
     fully_shard(block) for each block; fully_shard(model)
     qcomm.fsdp.quantize_weight_deltas(model)      # every FSDP module in model
+    qcomm.fsdp.quantize_weight_deltas(model, include=lambda name, m: "mlp" in name)
     qcomm.fsdp.feed_back_gradient_errors(model)
 
 FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` (torch >= 2.9) carry
@@ -52,7 +64,9 @@ import torch.distributed as dist
 from . import collectives as C
 from . import driver
 from . import inner as I
+from .codec import dequantize_rows, quantize_rows
 from .config import QuantConfig
+from .layout import HEADER_NBYTES, meta_nbytes, packed_nbytes
 
 try:  # torch >= 2.9
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGatherBase
@@ -61,32 +75,137 @@ except ImportError:  # pragma: no cover - older torch: the installers below refu
     _AllGatherBase = _ReduceScatterBase = object
 
 
-class _PerModule:
-    """State one FSDP module's collective keeps across steps: fp32 buffers of the
-    unsharded size, one per (group, world, shard numel, device), zero at first."""
+# How a module's state is kept between calls (``state=``):
+STATE_FP32 = "float32"  # fp32, 4 bytes an element: the sum of every decoded difference
+STATE_DTYPE = "dtype"   # the tensors' own dtype (2 bytes for bf16), rounded to nearest even
+# The default: 8-bit minmax codes, rounded to nearest, 1.06 bytes an element (128-element
+# buckets: 8 bytes of [min, step] each). What it rounds off (at most half a step, 1/510
+# of a bucket's range) the next difference sends: the weights' error stays the 4-bit
+# difference's, not the state's (README, 1200 steps).
+DEFAULT_STATE = QuantConfig(bits=8, bucket_size=128, scheme="minmax", rounding="nearest")
 
-    def __init__(self, config: QuantConfig | None = None) -> None:
+
+def check_state(state) -> str | QuantConfig:
+    """``state`` if it names a way to keep state (module docstring), else a ValueError."""
+    if isinstance(state, QuantConfig):
+        if state.rounding != "nearest":
+            raise ValueError("qcomm.fsdp state: a QuantConfig state must round to nearest "
+                             "(every rank must keep the same bytes; stochastic rounding "
+                             f"would need shared seeds), got {state!r}")
+        return state
+    if state in (STATE_FP32, STATE_DTYPE):
+        return state
+    raise ValueError(f"qcomm.fsdp state must be {STATE_FP32!r}, {STATE_DTYPE!r} or a "
+                     f"qcomm.QuantConfig (rounding='nearest'), got {state!r}")
+
+
+class PieceState:
+    """``world`` rows of ``n`` elements kept across calls, read and written piece by
+    piece (the collective's pipeline pieces ``parts``) as fp32 rows:
+
+    - ``"float32"``: an fp32 [world, n] tensor; a piece's rows are a view of it.
+    - ``"dtype"``: a [world, n] tensor of ``dtype``; loaded into an fp32 scratch buffer,
+      stored rounded to nearest even.
+    - a QuantConfig: per piece, ``world`` payload rows of that config (the wire format);
+      loaded by one :func:`qcomm.codec.dequantize_rows`, stored by one
+      :func:`qcomm.codec.quantize_rows` (round to nearest: the same fp32 rows give the
+      same bytes on every rank and device). A bucket holding inf or NaN is stored with
+      zero meta, so it decodes to zeros: state never keeps a non-finite value.
+
+    Zero at first. ``store`` of the first two kinds replaces non-finite values by zero."""
+
+    def __init__(self, state, world: int, n: int, dtype: torch.dtype, device: torch.device,
+                 parts: list[tuple[int, int]]) -> None:
+        self.state, self.world, self.parts = state, world, parts
+        if state == STATE_FP32 or state == STATE_DTYPE:
+            kind = torch.float32 if state == STATE_FP32 else dtype
+            self.data = torch.zeros(world, n, dtype=kind, device=device)
+            return
+        self.data = []
+        for a, b in parts:
+            rows = torch.empty(world, packed_nbytes(b - a, state), dtype=torch.uint8,
+                               device=device)
+            quantize_rows(torch.zeros(world, b - a, device=device), state, [0] * world,
+                          out=rows)
+            self.data.append(rows)
+
+    def nbytes(self) -> int:
+        data = self.data if isinstance(self.data, list) else [self.data]
+        return sum(t.numel() * t.element_size() for t in data)
+
+    def load(self, call: driver.Call, p: int, a: int, b: int) -> torch.Tensor:
+        """Piece ``p``'s rows (elements ``[a, b)``) as fp32 [world, b - a]: what the
+        caller changes in them it hands to :meth:`store`."""
+        if self.state == STATE_FP32:
+            return self.data[:, a:b]
+        rows = call.buffer("fsdp_state", self.world * (b - a), torch.float32,
+                           self.data[0].device).view(self.world, b - a)
+        if self.state == STATE_DTYPE:
+            rows.copy_(self.data[:, a:b])
+        else:
+            dequantize_rows(self.data[p], b - a, torch.float32, self.state, out=rows,
+                            check=False)
+        return rows
+
+    def store(self, p: int, rows: torch.Tensor) -> None:
+        """Keep ``rows`` (what :meth:`load` gave for piece ``p``, changed); they may be
+        overwritten."""
+        if not isinstance(self.state, QuantConfig):
+            rows.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            if self.state == STATE_DTYPE:
+                a, b = self.parts[p]
+                self.data[:, a:b].copy_(rows)
+            return
+        out = self.data[p]
+        quantize_rows(rows, self.state, [0] * self.world, out=out)
+        a, b = self.parts[p]
+        meta = out[:, HEADER_NBYTES:HEADER_NBYTES + meta_nbytes(b - a, self.state)]
+        # a non-finite bucket's meta is NaN (qcomm/layout.py); zero meta decodes to 0
+        # in every scheme (its codes are all zero): a few bytes a bucket, not a pass
+        # over the elements
+        meta.view(torch.float32).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
+    def row(self, call: driver.Call, r: int, n: int) -> torch.Tensor:
+        """Row ``r`` as fp32 [n] (a view for ``"float32"``; else a scratch buffer)."""
+        if self.state == STATE_FP32:
+            return self.data[r]
+        out = call.buffer("fsdp_row", n, torch.float32, self.data[0].device)
+        if self.state == STATE_DTYPE:
+            return out.copy_(self.data[r])
+        for p, (a, b) in enumerate(self.parts):
+            dequantize_rows(self.data[p][r:r + 1], b - a, torch.float32, self.state,
+                            out=out[a:b].view(1, -1), check=False)
+        return out
+
+
+class _PerModule:
+    """State one FSDP module's collective keeps across calls: one :class:`PieceState`
+    per (group, world, shard numel, dtype, device, pieces), zero at first."""
+
+    def __init__(self, config: QuantConfig | None = None, *, state=DEFAULT_STATE) -> None:
         if config is not None and not isinstance(config, QuantConfig):
             raise TypeError(f"config must be a qcomm.QuantConfig or None, got {config!r}")
         self.config = config
-        self._bufs: dict[tuple, torch.Tensor] = {}
+        self.state = check_state(state)
+        self._states: dict[tuple, PieceState] = {}
 
     def reset(self) -> None:
         """Drop the state (the next call starts from zero again). Call it on every rank
         or on none: ranks that disagree send different values (never different sizes,
         so nothing hangs)."""
-        self._bufs.clear()
+        self._states.clear()
 
     def state_nbytes(self) -> int:
         """Bytes of state held on this rank."""
-        return sum(t.numel() * t.element_size() for t in self._bufs.values())
+        return sum(s.nbytes() for s in self._states.values())
 
-    def _buffer(self, group, world: int, n: int, device: torch.device) -> torch.Tensor:
-        key = (id(group), world, n, device)
-        buf = self._bufs.get(key)
-        if buf is None:
-            buf = self._bufs[key] = torch.zeros(world * n, dtype=torch.float32, device=device)
-        return buf
+    def _state(self, group, world: int, n: int, dtype: torch.dtype, device: torch.device,
+               parts: list[tuple[int, int]]) -> PieceState:
+        key = (id(group), world, n, dtype, device, tuple(parts))
+        got = self._states.get(key)
+        if got is None:
+            got = self._states[key] = PieceState(self.state, world, n, dtype, device, parts)
+        return got
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
@@ -98,7 +217,10 @@ class DeltaAllGather(_PerModule, _AllGatherBase):
 
     ``config``: the QuantConfig of the differences (default: the group's all-gather
     config; ``None`` there means the group sends weights exactly, and so does this).
-    One instance per FSDP module: its state is that module's reconstruction.
+    ``state``: how the reconstruction is kept between gathers (:data:`DEFAULT_STATE`,
+    8-bit codes; ``"dtype"``, the parameters' dtype; ``"float32"``; see
+    :class:`PieceState`). One instance per FSDP module: its state is that module's
+    reconstruction.
     """
 
     @torch.no_grad()
@@ -114,18 +236,29 @@ class DeltaAllGather(_PerModule, _AllGatherBase):
                                  inner.rank())
 
         def compressed(call: driver.Call) -> tuple[int, int]:
-            ref = self._buffer(group, world, n, inp.device)
-            slots = list(ref.chunk(world))
-            delta = inp.float() - slots[call.rank]  # reads inp (a view into out) first
+            parts = C.pieces(n, call.q.bucket_size)
+            ref = self._state(group, world, n, inp.dtype, inp.device, parts)
+            # reads inp (a view into out) before anything is written
+            delta = inp.float() - ref.row(call, call.rank, n)
             check = call.check_descriptors(n, delta.dtype, None, inp.device)
+            out_rows = out.view(world, n)
+
+            def decode(p: int, a: int, b: int, rows: torch.Tensor) -> None:
+                # every rank: the same state and payload bytes through the same code,
+                # so the same reconstruction, bit for bit
+                acc = ref.load(call, p, a, b)
+                dequantize_rows(rows, b - a, torch.float32, call.q, out=acc,
+                                accumulate=True, check=False)
+                # non-finite weights arrive non-finite (buckets decode NaN) but are not
+                # kept: those entries (a quantized state: those buckets) restart from
+                # zero on every rank, so weights repaired after a bad step (a reloaded
+                # checkpoint) come back at the next gather
+                out_rows[:, a:b].copy_(acc)
+                ref.store(p, acc)
+
             gather = C.two_level_all_gather if call.two_level else C.packed_all_gather
-            sent = gather(call, slots, delta, call.seed(call.rank), check=check,
-                          accumulate=True)
-            out.copy_(ref)  # non-finite weights arrive non-finite (buckets decode NaN)...
-            ref.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # ...but are not remembered:
-            # those entries restart from zero, the same on every rank (ref is identical),
-            # so weights repaired after a bad step (a reloaded checkpoint) come back next
-            # gather
+            sent = gather(call, list(out_rows), delta, call.seed(call.rank), check=check,
+                          decode=decode)
             return sent if call.two_level else call.flat_bytes(driver.peer_bytes(world, sent))
 
         return driver.run(group, "all_gather", tensor=inp, numel=n,
@@ -138,7 +271,8 @@ class ErrorFeedbackReduceScatter(_PerModule, _ReduceScatterBase):
     """FSDP2 reduce-scatter with error feedback: each rank adds what its last quantized
     send of a chunk left out to the chunk it sends now (Seide et al. 2014; Karimireddy
     et al. 2019), so gradient quantization errors cancel over steps instead of adding
-    up. State: the peer chunks' residuals, fp32, the module's unsharded size. Meant
+    up. State: the peer chunks' residuals, the module's unsharded size, kept as
+    ``state`` says (:class:`PieceState`; the gradients' dtype for ``"dtype"``). Meant
     for biased (round-to-nearest) gradients; see the module docstring for what it
     measured in training.
 
@@ -153,25 +287,33 @@ class ErrorFeedbackReduceScatter(_PerModule, _ReduceScatterBase):
                                                    gathered=False)
         chunks = list(inp.reshape(-1).chunk(world)) if out.numel() else []
 
-        def residuals(world: int, n: int, device: torch.device) -> list[torch.Tensor]:
-            return list(self._buffer(group, world, n, device).chunk(world))
+        def residuals(world: int, n: int, dtype: torch.dtype, device: torch.device,
+                      parts: list[tuple[int, int]]) -> PieceState:
+            return self._state(group, world, n, dtype, device, parts)
 
         return C.scatter_from(group, out, chunks, inp, op, config=self.config,
                               async_op=async_op, residuals=residuals)
 
 
-def fsdp_modules(module: torch.nn.Module) -> list:
-    """The FSDP2 modules in ``module`` (itself included), in ``modules()`` order."""
+def fsdp_modules(module: torch.nn.Module, include=None) -> list:
+    """The FSDP2 modules in ``module`` (itself included), in ``modules()`` order;
+    ``include(name, module)``, when given, picks among them (``name`` as in
+    ``named_modules()``, ``""`` for ``module`` itself)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+    return [m for name, m in module.named_modules() if isinstance(m, FSDPModule)
+            and (include is None or include(name, m))]
 
 
-def _install(fn: str, setter: str, module: torch.nn.Module, make) -> list:
-    mods = fsdp_modules(module)
+def _install(fn: str, setter: str, module: torch.nn.Module, include, make) -> list:
+    if include is not None and not callable(include):
+        raise TypeError(f"{fn}: include must be a callable (name, module) -> bool, got "
+                        f"{include!r}")
+    mods = fsdp_modules(module, include)
     if not mods:
-        raise ValueError(f"{fn}: no FSDP2 module found (call fully_shard on the model or "
-                         "its blocks first)")
+        raise ValueError(f"{fn}: no FSDP2 module found" + (
+            " that include() accepts" if include is not None and fsdp_modules(module)
+            else " (call fully_shard on the model or its blocks first)"))
     if not hasattr(mods[0], setter):
         raise RuntimeError(f"{fn} needs FSDPModule.{setter} (torch >= 2.9); this is torch "
                            f"{torch.__version__}")
@@ -182,18 +324,24 @@ def _install(fn: str, setter: str, module: torch.nn.Module, make) -> list:
     return comms
 
 
-def quantize_weight_deltas(module: torch.nn.Module, config: QuantConfig | None = None
-                           ) -> list[DeltaAllGather]:
-    """Give every FSDP2 module in ``module`` its own :class:`DeltaAllGather`; returns
-    them (e.g. to :meth:`~DeltaAllGather.reset` after loading a checkpoint, or to sum
-    :meth:`~DeltaAllGather.state_nbytes`). Call after ``fully_shard``, on every rank."""
-    return _install("quantize_weight_deltas", "set_custom_all_gather", module,
-                    lambda: DeltaAllGather(config))
+def quantize_weight_deltas(module: torch.nn.Module, config: QuantConfig | None = None, *,
+                           state=DEFAULT_STATE, include=None) -> list[DeltaAllGather]:
+    """Give every FSDP2 module in ``module`` (or those ``include(name, module)``
+    accepts) its own :class:`DeltaAllGather`; returns them (e.g. to
+    :meth:`~DeltaAllGather.reset` after loading a checkpoint, or to sum
+    :meth:`~DeltaAllGather.state_nbytes`). The others keep the group's all-gather.
+    Call after ``fully_shard``, on every rank, with the same modules."""
+    check_state(state)
+    return _install("quantize_weight_deltas", "set_custom_all_gather", module, include,
+                    lambda: DeltaAllGather(config, state=state))
 
 
-def feed_back_gradient_errors(module: torch.nn.Module, config: QuantConfig | None = None
+def feed_back_gradient_errors(module: torch.nn.Module, config: QuantConfig | None = None, *,
+                              state=DEFAULT_STATE, include=None
                               ) -> list[ErrorFeedbackReduceScatter]:
-    """Give every FSDP2 module in ``module`` its own :class:`ErrorFeedbackReduceScatter`;
-    returns them. Call after ``fully_shard``, on every rank."""
+    """Give every FSDP2 module in ``module`` (or those ``include`` accepts) its own
+    :class:`ErrorFeedbackReduceScatter`; returns them. Call after ``fully_shard``, on
+    every rank."""
+    check_state(state)
     return _install("feed_back_gradient_errors", "set_custom_reduce_scatter", module,
-                    lambda: ErrorFeedbackReduceScatter(config))
+                    include, lambda: ErrorFeedbackReduceScatter(config, state=state))
