@@ -6,6 +6,7 @@
     python -m bench collectives --link 1gbit    # two namespaces behind a shaped link
     python -m bench train                       # FSDP2 training, exact vs quantized
     python -m bench overlap --link 100mbit      # async collectives behind compute
+    python -m bench memory                      # peak RSS: FSDP2 vs qcomm.fsdp's state
 
 Nodes (qcomm's topology): every self-launched rank is told its node (QCOMM_NODE);
 without --nodes each loopback rank is a node of its own and each --link namespace one.
@@ -24,7 +25,7 @@ import sys
 
 import torch
 
-from . import codec, collectives, common, overlap, rows, train
+from . import codec, collectives, common, memory, overlap, rows, train
 
 
 def parser() -> argparse.ArgumentParser:
@@ -33,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     for name, module in (("codec", codec), ("rows", rows), ("collectives", collectives),
-                         ("overlap", overlap), ("train", train)):
+                         ("overlap", overlap), ("train", train), ("memory", memory)):
         summary = " ".join(module.__doc__.split("\n\n")[0].split()).split(": ", 1)[-1]
         q = sub.add_parser(name, help=summary,
                            description=module.__doc__,

@@ -133,13 +133,22 @@ class PieceState:
         data = self.data if isinstance(self.data, list) else [self.data]
         return sum(t.numel() * t.element_size() for t in data)
 
-    def load(self, call: driver.Call, p: int, a: int, b: int) -> torch.Tensor:
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.state, QuantConfig)
+
+    def load(self, call: driver.Call, p: int, a: int, b: int,
+             into: torch.Tensor | None = None) -> torch.Tensor:
         """Piece ``p``'s rows (elements ``[a, b)``) as fp32 [world, b - a]: what the
-        caller changes in them it hands to :meth:`store`."""
+        caller changes in them it hands to :meth:`store`. ``into``: fp32 rows to decode
+        a quantized state into (else a scratch buffer; :meth:`store` only reads them)."""
         if self.state == STATE_FP32:
             return self.data[:, a:b]
-        rows = call.buffer("fsdp_state", self.world * (b - a), torch.float32,
-                           self.data[0].device).view(self.world, b - a)
+        if into is not None and self.quantized:
+            rows = into
+        else:
+            rows = call.buffer("fsdp_state", self.world * (b - a), torch.float32,
+                               self.data[0].device).view(self.world, b - a)
         if self.state == STATE_DTYPE:
             rows.copy_(self.data[:, a:b])
         else:
@@ -150,7 +159,7 @@ class PieceState:
     def store(self, p: int, rows: torch.Tensor) -> None:
         """Keep ``rows`` (what :meth:`load` gave for piece ``p``, changed); they may be
         overwritten."""
-        if not isinstance(self.state, QuantConfig):
+        if not self.quantized:
             rows.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
             if self.state == STATE_DTYPE:
                 a, b = self.parts[p]
@@ -243,17 +252,23 @@ class DeltaAllGather(_PerModule, _AllGatherBase):
             check = call.check_descriptors(n, delta.dtype, None, inp.device)
             out_rows = out.view(world, n)
 
+            # fp32 parameters and a quantized state: the sum is made in the output
+            # itself (decode the state into it, add the differences, requantize from
+            # it): 18.5 bytes moved an element instead of 26.5 through a scratch copy
+            direct = out.dtype == torch.float32 and ref.quantized
+
             def decode(p: int, a: int, b: int, rows: torch.Tensor) -> None:
                 # every rank: the same state and payload bytes through the same code,
                 # so the same reconstruction, bit for bit
-                acc = ref.load(call, p, a, b)
+                acc = ref.load(call, p, a, b, into=out_rows[:, a:b] if direct else None)
                 dequantize_rows(rows, b - a, torch.float32, call.q, out=acc,
                                 accumulate=True, check=False)
                 # non-finite weights arrive non-finite (buckets decode NaN) but are not
                 # kept: those entries (a quantized state: those buckets) restart from
                 # zero on every rank, so weights repaired after a bad step (a reloaded
                 # checkpoint) come back at the next gather
-                out_rows[:, a:b].copy_(acc)
+                if not direct:
+                    out_rows[:, a:b].copy_(acc)
                 ref.store(p, acc)
 
             gather = C.two_level_all_gather if call.two_level else C.packed_all_gather

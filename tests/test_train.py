@@ -18,9 +18,17 @@ def test_variant_parsing():
     assert (env["QCOMM_RS_BUCKET"], env["QCOMM_RS_ROUNDING"]) == ("128", "nearest")
     env = train.parse_variant("w4g4-wn-wb128")
     assert (env["QCOMM_AG_ROUNDING"], env["QCOMM_AG_BUCKET"]) == ("nearest", "128")
-    for bad in ("w9g8", "w4", "x4g4", "w4g4-qsgd", "w0g8", "w4g4-wbx"):
+    for bad in ("w9g8", "w4", "x4g4", "w4g4-qsgd", "w0g8", "w4g4-wbx", "w4g4-wd-ws9",
+                "w4g4-wd-wsx"):
         with pytest.raises(ValueError, match="variant"):
             train.parse_variant(bad)
+    # the state of qcomm.fsdp's collectives: read from the name, not the environment
+    assert train.parse_variant("w4g4-wd-ws32") == train.parse_variant("w4g4")
+    import qcomm.fsdp
+
+    assert train.fsdp_state("ws32") == "float32" and train.fsdp_state("wsd") == "dtype"
+    assert train.fsdp_state("ws8") == qcomm.fsdp.DEFAULT_STATE
+    assert train.fsdp_state("ws4").bits == 4
 
 
 def test_corpus_is_stdlib_source_with_held_out_tail():
@@ -78,3 +86,23 @@ def test_train_under_torchrun(tmp_path):
     assert [r["variant"] for r in runs] == ["fp32", "w4g4-nuq-wd", "w8g8"]
     assert all(r["link"] == "torchrun" for r in runs)
     assert runs[1]["wire_bytes_per_step"] < runs[0]["wire_bytes_per_step"] / 4
+
+
+def test_memory_bench_measures_state_and_peak(tmp_path, monkeypatch):
+    """``python -m bench memory`` on a tiny model: every variant's peak and state, the
+    state's bytes per parameter as each kind keeps it."""
+    from bench import __main__ as bench_main
+
+    monkeypatch.setenv("QCOMM_COMPILE", "0")  # no first-call compile in the ranks
+    variants = ["fsdp2", "w4g4-wd-wn-wb128-ws32", "w4g4-wd-wn-wb128"]
+    assert bench_main.main(["memory", "--layers", "1", "--width", "64", "--steps", "1",
+                            "--variants", ",".join(variants), "--out", str(tmp_path)]) == 0
+    got = json.loads((tmp_path / "memory.json").read_text())
+    rows = {r["variant"]: r for r in got["rows"]}
+    assert list(rows) == variants
+    assert rows["fsdp2"]["state"] == 0 and rows["fsdp2"]["over_mib"] == 0
+    assert rows["w4g4-wd-wn-wb128-ws32"]["state_per_param"] == pytest.approx(4.0, rel=0.02)
+    assert 1.0 < rows["w4g4-wd-wn-wb128"]["state_per_param"] < 1.25  # one bucket's meta
+    for r in rows.values():
+        assert r["peak"] > 50 * 2**20 and r["params"] == 2 * (64 * 64 + 64)
+        assert all(math.isfinite(rank["loss"]) for rank in r["ranks"])

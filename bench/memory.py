@@ -1,0 +1,192 @@
+"""``python -m bench memory``: peak memory per rank of FSDP2 training, plain FSDP2 against
+qcomm, with and without its per-module state (weight differences, error feedback).
+
+Each variant trains the same model for ``--steps`` AdamW steps on ``--world`` ranks, each
+variant in fresh processes (a peak is a per-process high-water mark): ``--layers``
+blocks of two ``--width`` x ``--width`` linear layers, ``fully_shard`` per block and at
+the root, built on the meta device and materialized sharded, so no rank ever holds the
+whole model (a full CPU init would set the peak before training starts). Variants
+(names as in ``python -m bench train``):
+
+- ``fsdp2``: plain FSDP2 on the gloo group, exact (the reference);
+- ``w4g4-wn-wb128``: qcomm's 4-bit all-gather and reduce-scatter, no state;
+- ``...-wd-ws32``: with weight differences kept in fp32 (what qcomm.fsdp did before:
+  4 bytes per unsharded parameter on every rank), ``-wd`` the default 8-bit state,
+  ``-wsd`` the parameters' dtype; ``-ge`` adds error feedback's residuals.
+
+Per rank: ``peak`` (CPU: the process's peak RSS, ``ru_maxrss``; CUDA:
+``torch.cuda.max_memory_allocated``), ``state`` (``state_nbytes()`` of qcomm.fsdp's
+collectives) and the steady RSS after the steps. Reported per variant: the largest
+rank's, and its excess over ``fsdp2``'s. CPU only for now: the GPU figure
+(``torch.cuda.max_memory_allocated``) the same worker records on CUDA tensors has not
+been run on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from . import common
+from .common import Column
+from .link import pin_this_rank, run_ranks
+
+VARIANTS = ("fsdp2", "w4g4-wn-wb128", "w4g4-wd-wn-wb128-ws32", "w4g4-wd-wn-wb128-wsd",
+            "w4g4-wd-wn-wb128")
+
+
+def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
+    p.add_argument("--variants", type=common.arg(lambda s: [v for v in s.split(",") if v]),
+                   default=list(VARIANTS),
+                   help="fsdp2 (plain FSDP2, the reference) and bench train's wAgB[-...] "
+                        "names (default " + ",".join(VARIANTS) + ")")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--width", type=int, default=2048,
+                   help="blocks of two width x width linear layers (default 2048: 8 blocks "
+                        "are 67M parameters, 268 MB in fp32)")
+    p.add_argument("--batch", type=int, default=16, help="rows per rank and step")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--device", default="cpu", choices=("cpu",))
+    p.add_argument("--timeout", type=float, default=900, help="seconds per variant")
+
+
+# ----------------------------------------------------------------------------- rank
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def worker(spec: dict) -> None:
+    """One variant on this rank; rank r writes its row to ``spec["result"] + r``."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import qcomm  # noqa: F401 (registers the backend)
+    import qcomm.fsdp
+
+    from .train import STATEFUL, fsdp_state
+
+    pin_this_rank()
+    name = spec["name"]
+    dist.init_process_group("gloo" if name == "fsdp2" else "qcomm")
+    rank = dist.get_rank()
+    device = torch.device("cuda", 0) if spec["device"] == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    width = spec["width"]
+    with torch.device("meta"):
+        blocks = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(),
+                                      torch.nn.Linear(width, width))
+                  for _ in range(spec["layers"])]
+        model = torch.nn.Sequential(*blocks)
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(model)
+    model.to_empty(device=device)  # each rank allocates its shards only
+    gen = torch.Generator(device=device).manual_seed(rank)
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local()
+            local.normal_(0.0, 1.0 / width ** 0.5, generator=gen)
+    options = name.split("-")[1:]
+    state = next((fsdp_state(o) for o in options if o.startswith("ws")), None)
+    comms = []
+    for opt in options:
+        if opt in STATEFUL:
+            comms += getattr(qcomm.fsdp, STATEFUL[opt])(
+                model, **({} if state is None else {"state": state}))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(spec["batch"], width, generator=gen, device=device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    rss_before = _rss_bytes()
+    for _ in range(spec["steps"]):
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    row = {"rank": rank, "params": sum(p.numel() for p in model.parameters()),
+           "rss_before": rss_before, "rss_after": _rss_bytes(),
+           # Linux: ru_maxrss in KiB
+           "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+           "state": sum(c.state_nbytes() for c in comms), "loss": loss.item()}
+    if device.type == "cuda":
+        row["peak_cuda"] = torch.cuda.max_memory_allocated(device)
+    Path(spec["result"] + str(rank)).write_text(json.dumps(row))
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def run_variant(args, name: str) -> dict:
+    from .train import parse_variant
+
+    env = {} if name == "fsdp2" else parse_variant(name)
+    with tempfile.TemporaryDirectory(prefix="qcomm-memory-") as tmp:
+        spec = {"name": name, "device": args.device, "layers": args.layers,
+                "width": args.width, "batch": args.batch, "steps": args.steps,
+                "result": str(Path(tmp) / "rank")}
+        spec_path = Path(tmp) / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(common.ROOT),
+                                                          os.environ.get("PYTHONPATH")]))
+        run_ranks(["-m", "bench.memory", "--worker", str(spec_path)], args.world,
+                  timeout_s=args.timeout, env=env)
+        ranks = [json.loads(Path(spec["result"] + str(r)).read_text())
+                 for r in range(args.world)]
+    key = "peak_cuda" if args.device == "cuda" else "peak_rss"
+    top = max(ranks, key=lambda r: r[key])
+    return {"variant": name, "params": top["params"], "peak": top[key],
+            "rss_after": max(r["rss_after"] for r in ranks),
+            "state": max(r["state"] for r in ranks),
+            "state_per_param": max(r["state"] for r in ranks) / top["params"],
+            "ranks": ranks}
+
+
+def columns() -> list[Column]:
+    mib = "{:.1f}"
+    return [Column("variant", "variant"), Column("params", "params"),
+            Column("peak_mib", "peak MiB", mib), Column("over_mib", "over fsdp2 MiB", mib),
+            Column("state_mib", "state MiB", mib),
+            Column("state_per_param", "state B/param", "{:.2f}"),
+            Column("rss_after_mib", "RSS after MiB", mib)]
+
+
+def main(args) -> int:
+    header = common.run_header("memory", device=args.device, command=args.command)
+    header["sweep"] = {"variants": args.variants, "layers": args.layers, "width": args.width,
+                       "batch": args.batch, "steps": args.steps, "world": args.world,
+                       "peak": "torch.cuda.max_memory_allocated" if args.device == "cuda"
+                       else "ru_maxrss"}
+    print(common.format_header(header), flush=True)
+    rows = []
+    for name in args.variants:
+        row = run_variant(args, name)
+        rows.append(row)
+        print(f"# {name}: peak {row['peak'] / 2**20:.1f} MiB, state "
+              f"{row['state'] / 2**20:.1f} MiB", file=sys.stderr, flush=True)
+    base = next((r["peak"] for r in rows if r["variant"] == "fsdp2"), None)
+    for r in rows:
+        r["peak_mib"], r["state_mib"] = r["peak"] / 2**20, r["state"] / 2**20
+        r["rss_after_mib"] = r["rss_after"] / 2**20
+        r["over_mib"] = None if base is None else (r["peak"] - base) / 2**20
+    common.report("memory", header, columns(), rows, args.out,
+                  "memory" + ("-cuda" if args.device == "cuda" else ""))
+    return 0
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
+    worker(json.loads(Path(sys.argv[2]).read_text()))
