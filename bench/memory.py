@@ -14,6 +14,14 @@ whole model (a full CPU init would set the peak before training starts). Variant
   4 bytes per unsharded parameter on every rank), ``-wd`` the default 8-bit state,
   ``-wsd`` the parameters' dtype; ``-ge`` adds error feedback's residuals.
 
+``--param-dtype bfloat16`` gathers bf16 parameters (FSDP2's MixedPrecisionPolicy, fp32
+gradient reduction), so ``-wsd`` keeps 2 bytes a parameter.
+
+The ranks run with ``MALLOC_MMAP_THRESHOLD_=131072``: every block over 128 KiB is its
+own mapping, returned when freed, so RSS follows the live tensors (glibc's default
+threshold grows with the blocks freed, and then freed tensors stay resident: two runs
+of one state measured 88 MiB apart that way).
+
 Per rank: ``peak`` (CPU: the process's peak RSS, ``ru_maxrss``; CUDA:
 ``torch.cuda.max_memory_allocated``), ``state`` (``state_nbytes()`` of qcomm.fsdp's
 collectives) and the steady RSS after the steps. Reported per variant: the largest
@@ -38,6 +46,7 @@ from . import common
 from .common import Column
 from .link import pin_this_rank, run_ranks
 
+MMAP_THRESHOLD = 128 * 1024  # bytes: larger blocks are mapped, and unmapped when freed
 VARIANTS = ("fsdp2", "w4g4-wn-wb128", "w4g4-wd-wn-wb128-ws32", "w4g4-wd-wn-wb128-wsd",
             "w4g4-wd-wn-wb128")
 
@@ -54,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--batch", type=int, default=16, help="rows per rank and step")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the dtype FSDP2 gathers and computes in (default float32)")
     p.add_argument("--device", default="cpu", choices=("cpu",))
     p.add_argument("--timeout", type=float, default=900, help="seconds per variant")
 
@@ -89,9 +100,15 @@ def worker(spec: dict) -> None:
                                       torch.nn.Linear(width, width))
                   for _ in range(spec["layers"])]
         model = torch.nn.Sequential(*blocks)
+    kwargs = {}
+    if spec["param_dtype"] == "bfloat16":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.float32)
     for block in blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
     model.to_empty(device=device)  # each rank allocates its shards only
     gen = torch.Generator(device=device).manual_seed(rank)
     with torch.no_grad():
@@ -138,9 +155,10 @@ def run_variant(args, name: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="qcomm-memory-") as tmp:
         spec = {"name": name, "device": args.device, "layers": args.layers,
                 "width": args.width, "batch": args.batch, "steps": args.steps,
-                "result": str(Path(tmp) / "rank")}
+                "param_dtype": args.param_dtype, "result": str(Path(tmp) / "rank")}
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(spec))
+        env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(common.ROOT),
                                                           os.environ.get("PYTHONPATH")]))
         run_ranks(["-m", "bench.memory", "--worker", str(spec_path)], args.world,
@@ -169,6 +187,8 @@ def main(args) -> int:
     header = common.run_header("memory", device=args.device, command=args.command)
     header["sweep"] = {"variants": args.variants, "layers": args.layers, "width": args.width,
                        "batch": args.batch, "steps": args.steps, "world": args.world,
+                       "param_dtype": args.param_dtype,
+                       "malloc_mmap_threshold": MMAP_THRESHOLD,
                        "peak": "torch.cuda.max_memory_allocated" if args.device == "cuda"
                        else "ru_maxrss"}
     print(common.format_header(header), flush=True)
@@ -184,7 +204,7 @@ def main(args) -> int:
         r["rss_after_mib"] = r["rss_after"] / 2**20
         r["over_mib"] = None if base is None else (r["peak"] - base) / 2**20
     common.report("memory", header, columns(), rows, args.out,
-                  "memory" + ("-cuda" if args.device == "cuda" else ""))
+                  "memory" + ("-bf16" if args.param_dtype == "bfloat16" else ""))
     return 0
 
 

@@ -174,17 +174,17 @@ class PieceState:
         # over the elements
         meta.view(torch.float32).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
-    def row(self, call: driver.Call, r: int, n: int) -> torch.Tensor:
-        """Row ``r`` as fp32 [n] (a view for ``"float32"``; else a scratch buffer)."""
-        if self.state == STATE_FP32:
-            return self.data[r]
-        out = call.buffer("fsdp_row", n, torch.float32, self.data[0].device)
-        if self.state == STATE_DTYPE:
-            return out.copy_(self.data[r])
+    def subtract_row(self, call: driver.Call, r: int, x: torch.Tensor) -> torch.Tensor:
+        """``x -= row r`` (``x``: fp32 [n]), piece by piece through a piece-sized scratch
+        buffer: no buffer of the row's size is kept."""
+        if not self.quantized:
+            return x.sub_(self.data[r])
         for p, (a, b) in enumerate(self.parts):
+            piece = call.buffer("fsdp_state", b - a, torch.float32, x.device).view(1, -1)
             dequantize_rows(self.data[p][r:r + 1], b - a, torch.float32, self.state,
-                            out=out[a:b].view(1, -1), check=False)
-        return out
+                            out=piece, check=False)
+            x[a:b].sub_(piece[0])
+        return x
 
 
 class _PerModule:
@@ -247,8 +247,9 @@ class DeltaAllGather(_PerModule, _AllGatherBase):
         def compressed(call: driver.Call) -> tuple[int, int]:
             parts = C.pieces(n, call.q.bucket_size)
             ref = self._state(group, world, n, inp.dtype, inp.device, parts)
-            # reads inp (a view into out) before anything is written
-            delta = inp.float() - ref.row(call, call.rank, n)
+            # reads inp (a view into out) before anything is written; a copy, never
+            # the caller's tensor
+            delta = ref.subtract_row(call, call.rank, inp.to(torch.float32, copy=True))
             check = call.check_descriptors(n, delta.dtype, None, inp.device)
             out_rows = out.view(world, n)
 

@@ -234,7 +234,7 @@ def test_quantized_state_keeps_nearest_codes_and_drops_non_finite_buckets():
     st = qcomm.fsdp.PieceState(cfg, world, n, torch.float32, torch.device("cpu"), parts)
     call = _Scratch()
     assert st.nbytes() == world * sum(packed_nbytes(b - a, cfg) for a, b in parts)
-    assert torch.equal(st.row(call, 1, n), torch.zeros(n))  # zero at first
+    assert torch.equal(st.subtract_row(call, 1, torch.ones(n)), torch.ones(n))  # zero at first
     x = torch.randn(world, n, generator=torch.Generator().manual_seed(0))
     x[2, 700] = float("inf")  # piece 1, local element 188: bucket 1 of that piece
     for p, (a, b) in enumerate(parts):
@@ -256,7 +256,7 @@ def test_quantized_state_keeps_nearest_codes_and_drops_non_finite_buckets():
     # nearest: within half a step (1/255 of a bucket's range) of what was stored
     step = (clean.max() - clean.min()) / 255
     assert ((got - clean).abs() <= step / 2 + 1e-6).all()
-    assert torch.equal(st.row(call, 2, n), got[2])
+    assert torch.equal(st.subtract_row(call, 2, got[2].clone()), torch.zeros(n))
 
 
 def test_dtype_state_rounds_to_nearest_even_and_zeroes_non_finite():
@@ -272,7 +272,7 @@ def test_dtype_state_rounds_to_nearest_even_and_zeroes_non_finite():
     st.store(0, rows)
     want = x.nan_to_num(nan=0.0).to(torch.bfloat16)  # torch's cast: round to nearest even
     assert torch.equal(st.data.view(torch.int16), want.view(torch.int16))
-    assert torch.equal(st.row(call, 0, n), want[0].float())
+    assert torch.equal(st.subtract_row(call, 0, want[0].float()), torch.zeros(n))
 
 
 # ------------------------------------------------------------------ error feedback
