@@ -1,7 +1,8 @@
 """FSDP2, FSDP1, DDP and HSDP train unchanged on the "qcomm" backend.
 
 Each mode trains a small transformer for STEPS steps on plain gloo and on qcomm (same
-seeds, each rank its own data); the per-step losses must agree within LOSS_RTOL, and
+seeds, each rank its own data; but for HSDP both in one set of processes, gloo on a
+group of its own); the per-step losses must agree within LOSS_RTOL, and
 after every step the parameters the ranks compute with must be identical across ranks
 (the unsharded weights for FSDP, the replicas for DDP and HSDP's replicate dim).
 """
@@ -46,8 +47,10 @@ def _full_params_fsdp2(model) -> str:
     return d
 
 
-def _wrap(mode: str, model: nn.Module, rank: int, world: int):
-    from torch.distributed.device_mesh import init_device_mesh
+def _wrap(mode: str, model: nn.Module, rank: int, world: int, group=None):
+    """``model`` wrapped for ``mode`` over the default group, or over ``group`` (not for
+    HSDP)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     if mode.startswith("fsdp2") or mode == "hsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -57,6 +60,8 @@ def _wrap(mode: str, model: nn.Module, rank: int, world: int):
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if mode == "hsdp":
             mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard"))
+        elif group is not None:
+            mesh = DeviceMesh.from_group(group, "cpu")
         else:
             mesh = init_device_mesh("cpu", (world,))
         for layer in model.layers:
@@ -66,9 +71,10 @@ def _wrap(mode: str, model: nn.Module, rank: int, world: int):
     if mode == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        return FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+        return FSDP(model, device_id=torch.device("cpu"), use_orig_params=True,
+                    process_group=group)
     if mode == "ddp":
-        return nn.parallel.DistributedDataParallel(model)
+        return nn.parallel.DistributedDataParallel(model, process_group=group)
     raise ValueError(mode)
 
 
@@ -86,11 +92,11 @@ def _check_identity(mode: str, model) -> str:
     return _full_params_fsdp2(model)
 
 
-def _train(rank, world, mode):
+def _train(rank, world, mode, group=None):
     import qcomm
 
     torch.manual_seed(0)
-    model = _wrap(mode, TinyLM(), rank, world)
+    model = _wrap(mode, TinyLM(), rank, world, group)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     losses, digests = [], []
     for step in range(STEPS):
@@ -109,9 +115,22 @@ def _train(rank, world, mode):
     return {"losses": losses, "digests": digests, "compressed": compressed}
 
 
+def _train_both(rank, world, mode):
+    """Plain gloo first (a gloo group over the same ranks), then the default group, a
+    "qcomm" one: one set of processes for both."""
+    base = _train(rank, world, mode, dist.new_group(backend="gloo"))
+    return {"base": base, "ours": _train(rank, world, mode)}
+
+
 def _compare(mode: str, world: int, replica_groups):
-    base = run_ranks(_train, world, mode, backend="gloo", timeout=240)
-    ours = run_ranks(_train, world, mode, backend="qcomm", timeout=240)
+    if mode == "hsdp":  # its 2-D mesh from the default group: one run per backend
+        base = run_ranks(_train, world, mode, backend="gloo", timeout=240)
+        ours = run_ranks(_train, world, mode, backend="qcomm", timeout=240)
+    else:
+        both = run_ranks(_train_both, world, mode, backend="qcomm", timeout=240)
+        base, ours = [r["base"] for r in both], [r["ours"] for r in both]
+        # the reference ran on gloo alone: nothing compressed before qcomm's run
+        assert all(sum(r["base"]["compressed"].values()) == 0 for r in both), both[0]["base"]
     for rank in range(world):
         lb, lq = torch.tensor(base[rank]["losses"]), torch.tensor(ours[rank]["losses"])
         rel = ((lq - lb).abs() / lb).max().item()
