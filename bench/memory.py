@@ -22,12 +22,10 @@ own mapping, returned when freed, so RSS follows the live tensors (glibc's defau
 threshold grows with the blocks freed, and then freed tensors stay resident: two runs
 of one state measured 88 MiB apart that way).
 
-Per rank: ``peak`` (CPU: the process's peak RSS, ``ru_maxrss``; CUDA:
-``torch.cuda.max_memory_allocated``), ``state`` (``state_nbytes()`` of qcomm.fsdp's
-collectives) and the steady RSS after the steps. Reported per variant: the largest
-rank's, and its excess over ``fsdp2``'s. CPU only for now: the GPU figure
-(``torch.cuda.max_memory_allocated``) the same worker records on CUDA tensors has not
-been run on a GPU.
+Per rank: ``peak`` (the process's peak RSS, ``ru_maxrss``), ``state``
+(``state_nbytes()`` of qcomm.fsdp's collectives) and the steady RSS after the steps.
+Reported per variant: the largest rank's, and its excess over ``fsdp2``'s. CPU only
+for now: a GPU figure (``torch.cuda.max_memory_allocated``) is not built.
 """
 
 from __future__ import annotations
@@ -83,17 +81,14 @@ def worker(spec: dict) -> None:
     from torch.distributed.fsdp import fully_shard
 
     import qcomm  # noqa: F401 (registers the backend)
-    import qcomm.fsdp
 
-    from .train import STATEFUL, fsdp_state
+    from .train import install_stateful
 
     pin_this_rank()
     name = spec["name"]
     dist.init_process_group("gloo" if name == "fsdp2" else "qcomm")
     rank = dist.get_rank()
-    device = torch.device("cuda", 0) if spec["device"] == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = torch.device("cpu")
     width = spec["width"]
     with torch.device("meta"):
         blocks = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(),
@@ -115,32 +110,20 @@ def worker(spec: dict) -> None:
         for p in model.parameters():
             local = p.to_local()
             local.normal_(0.0, 1.0 / width ** 0.5, generator=gen)
-    options = name.split("-")[1:]
-    state = next((fsdp_state(o) for o in options if o.startswith("ws")), None)
-    comms = []
-    for opt in options:
-        if opt in STATEFUL:
-            comms += getattr(qcomm.fsdp, STATEFUL[opt])(
-                model, **({} if state is None else {"state": state}))
+    comms = install_stateful(model, name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(spec["batch"], width, generator=gen, device=device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     rss_before = _rss_bytes()
     for _ in range(spec["steps"]):
         loss = model(x).float().pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
     row = {"rank": rank, "params": sum(p.numel() for p in model.parameters()),
            "rss_before": rss_before, "rss_after": _rss_bytes(),
            # Linux: ru_maxrss in KiB
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
            "state": sum(c.state_nbytes() for c in comms), "loss": loss.item()}
-    if device.type == "cuda":
-        row["peak_cuda"] = torch.cuda.max_memory_allocated(device)
     Path(spec["result"] + str(rank)).write_text(json.dumps(row))
     dist.destroy_process_group()
 
@@ -165,9 +148,8 @@ def run_variant(args, name: str) -> dict:
                   timeout_s=args.timeout, env=env)
         ranks = [json.loads(Path(spec["result"] + str(r)).read_text())
                  for r in range(args.world)]
-    key = "peak_cuda" if args.device == "cuda" else "peak_rss"
-    top = max(ranks, key=lambda r: r[key])
-    return {"variant": name, "params": top["params"], "peak": top[key],
+    top = max(ranks, key=lambda r: r["peak_rss"])
+    return {"variant": name, "params": top["params"], "peak": top["peak_rss"],
             "rss_after": max(r["rss_after"] for r in ranks),
             "state": max(r["state"] for r in ranks),
             "state_per_param": max(r["state"] for r in ranks) / top["params"],
@@ -189,8 +171,7 @@ def main(args) -> int:
                        "batch": args.batch, "steps": args.steps, "world": args.world,
                        "param_dtype": args.param_dtype,
                        "malloc_mmap_threshold": MMAP_THRESHOLD,
-                       "peak": "torch.cuda.max_memory_allocated" if args.device == "cuda"
-                       else "ru_maxrss"}
+                       "peak": "ru_maxrss"}
     print(common.format_header(header), flush=True)
     rows = []
     for name in args.variants:

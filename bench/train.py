@@ -239,6 +239,18 @@ def parse_variant(name: str) -> dict:
     return env
 
 
+def install_stateful(model, name: str) -> list:
+    """Install the qcomm.fsdp collectives variant ``name`` asks for (``wd``, ``ge``, with
+    its ``ws...`` state) on ``model``'s FSDP2 modules; returns them."""
+    import qcomm.fsdp
+
+    options = name.split("-")[1:]
+    state = next((fsdp_state(o) for o in options if o.startswith("ws")), None)
+    kwargs = {} if state is None else {"state": state}
+    return [c for opt in options if opt in STATEFUL
+            for c in getattr(qcomm.fsdp, STATEFUL[opt])(model, **kwargs)]
+
+
 def fsdp_state(opt: str):
     """A ``ws...`` option -> the ``state=`` of qcomm.fsdp's collectives: ``ws32`` fp32,
     ``wsd`` the tensors' dtype, ``wsN`` N-bit nearest codes in 128-element buckets
@@ -304,14 +316,7 @@ def worker(spec: dict) -> dict:
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    options = spec["name"].split("-")[1:]
-    state = next((fsdp_state(o) for o in options if o.startswith("ws")), None)
-    for opt in options:
-        if opt in STATEFUL:
-            import qcomm.fsdp
-
-            getattr(qcomm.fsdp, STATEFUL[opt])(
-                model, **({} if state is None else {"state": state}))
+    install_stateful(model, spec["name"])
     opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.1,
                             betas=(0.9, 0.95))
     B, T, steps = spec["batch"], cfg.seq, spec["steps"]
