@@ -15,7 +15,8 @@
 #   3. codec throughput: Triton and torch.compile of the reference next to a same-run copy
 #      (fp32, every scheme, 2/4/8 bits), then Triton alone for bf16/fp16;
 #      3c. a collective's codec per piece, one launch for all payloads (the row kernels)
-#      against one per payload, W = 2, 8, 16 (bench rows);
+#      against one per payload, W = 2, 8, 16 (bench rows), and qcomm.fsdp's fused state
+#      update against the three launches it replaces (bench rows --ops delta-update);
 #   4. the same for 1, 2 and 4 warps per bucket program (the kernels' one tuning knob).
 # Results and logs go to $OUT/results.tgz (re-packed after every phase) and $OUT/log.txt.
 #
@@ -60,7 +61,8 @@ fi
 
 log "phase 1: kernels on CUDA vs reference; CPU suite on this torch (parallel)"
 ( timeout 170 $PY -m pytest -q --maxfail=10 -n 8 -p no:cacheprovider tests/test_kernels.py \
-    tests/test_rows.py "tests/test_weight_deltas.py::test_stateful_collectives_same_bits_on_cuda_and_cpu" \
+    tests/test_rows.py tests/test_update_state.py \
+    "tests/test_weight_deltas.py::test_stateful_collectives_same_bits_on_cuda_and_cpu" \
     > "$R/test_kernels_cuda.log" 2>&1; echo "exit $?" >> "$R/test_kernels_cuda.log" ) &
 ( CUDA_VISIBLE_DEVICES= timeout 170 $PY -m pytest -q -n 6 -p no:cacheprovider \
     tests/test_config.py tests/test_codec.py tests/test_collectives.py \
@@ -97,6 +99,10 @@ log "phase 3c: one launch per piece (row kernels) vs one per payload, W = 2-16"
 timeout 60 $PY -m bench rows --device cuda --worlds 2,8,16 --sizes 16..24:4 \
   --out "$R/rows" > "$R/rows.log" 2>&1
 echo "exit $?" >> "$R/rows.log"; tail -n 30 "$R/rows.log"
+# qcomm.fsdp's state update: the fused kernel against the three launches it replaces
+timeout 40 $PY -m bench rows --device cuda --ops delta-update --bits 4 --worlds 2,8,16 \
+  --sizes 16..24:4 --out "$R/rows" > "$R/rows-delta.log" 2>&1
+echo "exit $?" >> "$R/rows-delta.log"; tail -n 12 "$R/rows-delta.log"
 pack
 log "phase 4: warps per bucket program (QCOMM_TRITON_WARPS), triton vs copy"
 for w in 1 2 4; do

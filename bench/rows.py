@@ -12,10 +12,17 @@ buckets of 1024 unless told otherwise):
 - ``rs-decode``: its receive side, own chunk plus W - 1 payloads summed in fp32,
   averaged and stored into the output: a copy, W - 1 accumulating ``dequantize`` calls,
   a divide and a copy out against one ``dequantize_sum``.
+- ``delta-update``: qcomm.fsdp's weight-difference gather's receive side, W state rows
+  (:data:`qcomm.fsdp.DEFAULT_STATE`) plus W received difference payloads (the chosen
+  bits and scheme) into the output and back into the state: the three row calls it ran
+  before (``dequantize_rows`` of the state into the output, an accumulating one of the
+  differences, ``quantize_rows`` back, then the NaN meta zeroed; commit 58a027d) against
+  one ``update_state_rows``.
 
 ``calls``: codec calls of each way; ``pieces``: the torch path's graph or loop calls
 inside them (on CPU), read from the path's counter. The per-payload way is what the
-collectives ran before the row calls (commit 91d1fec).
+collectives ran before the row calls (commit 91d1fec); "loop" below names it, and the
+three calls of ``delta-update``; "rows" the one call.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from qcomm.cpu import _common
 from . import common
 from .common import Column
 
-OPS = ("ag-decode", "rs-encode", "rs-decode")
+OPS = ("ag-decode", "rs-encode", "rs-decode", "delta-update")
 
 
 def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
@@ -46,7 +53,17 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--iters", type=int, default=20, help="timed calls per point (median)")
     p.add_argument("--budget", type=float, default=0.5,
                    help="seconds of timed calls per point and way at most (default 0.5)")
+    p.add_argument("--ops", type=common.arg(_parse_ops), default=list(OPS[:3]),
+                   help=f"ops to time, of {','.join(OPS)} (default the first three)")
     p.add_argument("--device", default="cuda" if on_gpu else "cpu")
+
+
+def _parse_ops(text: str) -> list[str]:
+    ops = text.split(",")
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        raise ValueError(f"unknown op {bad[0]!r}: choose from {', '.join(OPS)}")
+    return ops
 
 
 def _ways(op: str, q: QuantConfig, W: int, n: int, device):
@@ -67,6 +84,24 @@ def _ways(op: str, q: QuantConfig, W: int, n: int, device):
 
         return per_payload, lambda: qcomm.dequantize_rows(payloads, n, torch.float32, q,
                                                           out=out, check=False)
+    if op == "delta-update":
+        from qcomm.fsdp import DEFAULT_STATE as S
+        from qcomm.layout import HEADER_NBYTES, meta_nbytes
+
+        state = torch.empty(W, qcomm.packed_nbytes(n, S), dtype=torch.uint8, device=device)
+        qcomm.quantize_rows(x, S, [0] * W, out=state)
+        qcomm.quantize_rows(x * 0.01, q, seeds, out=payloads)
+        meta = state[:, HEADER_NBYTES:HEADER_NBYTES + meta_nbytes(n, S)].view(torch.float32)
+
+        def three_calls():
+            qcomm.dequantize_rows(state, n, torch.float32, S, out=out, check=False)
+            qcomm.dequantize_rows(payloads, n, torch.float32, q, out=out, accumulate=True,
+                                  check=False)
+            qcomm.quantize_rows(out, S, [0] * W, out=state)
+            meta.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
+        return three_calls, lambda: qcomm.update_state_rows(state, payloads, n, S, q, out=out,
+                                                            check=False)
     if op == "rs-encode":
         def per_payload():
             for r in range(1, W):
@@ -103,7 +138,7 @@ def run(args) -> list[dict]:
     timeit = lambda fn: common.measure(fn, iters=args.iters, budget_s=args.budget,  # noqa: E731
                                        sync=common.sync_fn(device), cuda=device.type == "cuda")
     rows = []
-    for op in OPS:
+    for op in args.ops:
         for W in args.worlds:
             for n in args.sizes:
                 loop, batched = _ways(op, q, W, n, device)
@@ -130,8 +165,10 @@ def columns() -> list[Column]:
 
 def main(args) -> int:
     header = common.start_local("rows", args, {
-        "sizes": args.sizes, "worlds": args.worlds, "bits": args.bits, "scheme": args.scheme,
+        "ops": args.ops, "sizes": args.sizes, "worlds": args.worlds, "bits": args.bits,
+        "scheme": args.scheme,
         "iters": args.iters, "budget_s": args.budget})
     rows = run(args)
-    common.report("rows", header, columns(), rows, args.out, "rows")
+    stem = "rows" if args.ops == list(OPS[:3]) else "rows-" + "+".join(args.ops)
+    common.report("rows", header, columns(), rows, args.out, stem)
     return 0

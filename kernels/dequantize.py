@@ -72,19 +72,28 @@ def decode_tile(meta_ptr, codes_ptr, bucket, row, rmask, BITS: tl.constexpr, R: 
     """The fp32 values of this program's bucket tile of one payload."""
     k = load_unpack(codes_ptr, row, rmask, BITS, R, WORD)
     if SCHEME == 0:
-        mn = tl.load(meta_ptr + bucket * 2)
-        step = tl.load(meta_ptr + bucket * 2 + 1)
-        y = mn + k.to(tl.float32) * step
+        m0 = tl.load(meta_ptr + bucket * 2)
+        m1 = tl.load(meta_ptr + bucket * 2 + 1)
+    else:
+        m0 = tl.load(meta_ptr + bucket)
+        m1 = m0  # unused
+    return code_values(k, m0, m1, BITS, SCHEME, LEVELS)
+
+
+@triton.jit
+def code_values(k, m0, m1, BITS: tl.constexpr, SCHEME: tl.constexpr, LEVELS: tl.constexpr):
+    """fp32 values of int32 codes ``k`` under their buckets' meta words ``m0`` (and
+    ``m1``, minmax's step): scalars for one bucket, or one per element."""
+    if SCHEME == 0:
+        y = m0 + k.to(tl.float32) * m1
     elif SCHEME == 1:
-        step = tl.load(meta_ptr + bucket)
-        y = (k.to(tl.float32) - (LEVELS - 1) / 2.0) * step
+        y = (k.to(tl.float32) - (LEVELS - 1) / 2.0) * m0
     else:
         M: tl.constexpr = LEVELS - 1
-        scale = tl.load(meta_ptr + bucket)
         j = k & ((1 << (BITS - 1)) - 1)
         level = ((127 - M + j) << 23).to(tl.float32, bitcast=True)
         level = tl.where(j == 0, 0.0, level)
-        mag = scale * level
+        mag = m0 * level
         # The sign as a bit, not ``-mag``: triton 3.6 lowers ``-x`` to ``0 - x``, which
         # makes a negative zero level +0.0 where torch gives -0.0 (seen on an H200).
         sign = (k >> (BITS - 1)).to(tl.uint32) << 31

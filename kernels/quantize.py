@@ -69,15 +69,17 @@ def _bucket_stats(x, valid, x1, valid1, PAIRED: tl.constexpr, SCHEME: tl.constex
 
 @triton.jit
 def _bucket_meta(meta_ptr, bucket, z, a, b, SCHEME: tl.constexpr, LEVELS: tl.constexpr,
-                 L2: tl.constexpr):
+                 L2: tl.constexpr, FINITE: tl.constexpr):
     """Store the bucket's metadata from its statistics; return what the codes need
-    (offset, s, inv, bad): ``qcomm.cpu.quantize._bucket_stats``."""
+    (offset, s, inv, bad): ``qcomm.cpu.quantize._bucket_stats``. ``FINITE``: store 0
+    for each meta word that is not finite (``torch.nan_to_num(meta, 0, 0, 0)``)."""
     bad = z != z
     if SCHEME == 0:
         offset = a
         step = tl.math.div_rn(b - a, LEVELS - 1.0)
-        tl.store(meta_ptr + bucket * 2, tl.where(bad, float("nan"), a))
-        tl.store(meta_ptr + bucket * 2 + 1, tl.where(bad, float("nan"), step))
+        tl.store(meta_ptr + bucket * 2, _finite(tl.where(bad, float("nan"), a), FINITE))
+        tl.store(meta_ptr + bucket * 2 + 1,
+                 _finite(tl.where(bad, float("nan"), step), FINITE))
     else:
         offset = 0.0
         if L2:
@@ -88,9 +90,18 @@ def _bucket_meta(meta_ptr, bucket, z, a, b, SCHEME: tl.constexpr, LEVELS: tl.con
             step = tl.math.div_rn(scale, (LEVELS - 1) / 2.0)
         else:
             step = scale
-        tl.store(meta_ptr + bucket, tl.where(bad, float("nan"), step))
+        tl.store(meta_ptr + bucket, _finite(tl.where(bad, float("nan"), step), FINITE))
     s, inv = reciprocal_step(step)
     return offset, s, inv, bad
+
+
+@triton.jit
+def _finite(v, FINITE: tl.constexpr):
+    """``v``, or with ``FINITE`` 0 where ``v`` is inf or NaN (``v - v`` is NaN there and
+    +0.0 elsewhere; a -0.0 stays -0.0, as under ``nan_to_num``)."""
+    if FINITE:
+        v = tl.where(v - v == 0.0, v, 0.0)
+    return v
 
 
 @triton.jit
@@ -164,7 +175,7 @@ def _quantize_kernel(
         x = tl.load(x_ptr + index, mask=valid, other=0.0).to(tl.float32)
         x1 = tl.load(x_ptr + index1, mask=valid1, other=0.0).to(tl.float32)
         z, a, b = _bucket_stats(x, valid, x1, valid1, True, SCHEME, L2)
-        offset, s, inv, bad = _bucket_meta(meta_ptr, bucket, z, a, b, SCHEME, LEVELS, L2)
+        offset, s, inv, bad = _bucket_meta(meta_ptr, bucket, z, a, b, SCHEME, LEVELS, L2, False)
         if STOCHASTIC:
             h = pair_hash(index - bucket * H, key, WIDE)  # counter = bucket * H + q
             u = half_uniform(h, False)
@@ -179,7 +190,7 @@ def _quantize_kernel(
                                                        B // R, 0)
         x = tl.load(x_ptr + index, mask=valid, other=0.0).to(tl.float32)
         z, a, b = _bucket_stats(x, valid, x, valid, False, SCHEME, L2)
-        offset, s, inv, bad = _bucket_meta(meta_ptr, bucket, z, a, b, SCHEME, LEVELS, L2)
+        offset, s, inv, bad = _bucket_meta(meta_ptr, bucket, z, a, b, SCHEME, LEVELS, L2, False)
         if STOCHASTIC:
             high = index - bucket * B >= H  # the second half takes the high 16 bits
             h = pair_hash(index - bucket * H - tl.where(high, H, 0), key, WIDE)

@@ -15,6 +15,7 @@ from .codec import (  # noqa: E402
     describe,
     quantize,
     quantize_rows,
+    update_state_rows,
 )
 from .collectives import all_gather_into_tensor, all_reduce, reduce_scatter_tensor  # noqa: E402
 from .config import CommConfig, QuantConfig, comm_config_from_env  # noqa: E402
@@ -44,5 +45,6 @@ __all__ = [
     "quantize",
     "reduce_scatter_tensor",
     "stats",
+    "update_state_rows",
     "wrap",
 ]

@@ -36,6 +36,7 @@ from .config import QuantConfig, compile_enabled, triton_interpreted
 from .constants import seed_key
 from .cpu import dequantize as cpu_dequantize
 from .cpu import quantize as cpu_quantize
+from .cpu import update_state as cpu_update_state
 from .cpu.compiled import compiled
 from .layout import DTYPE_IDS, HEADER_NBYTES, packed_nbytes
 
@@ -122,17 +123,20 @@ def _select_impl(device: torch.device, impl: str | None) -> str:
 
 @functools.cache
 def _launchers(path: str):
-    """(quantize, dequantize, dequantize_sum) of one path, with the same signatures."""
+    """(quantize, dequantize, dequantize_sum, update_state) of one path, with the same
+    signatures."""
     if path == "triton":
         from .kernels import dequantize as kd
         from .kernels import dequantize_sum as ks
         from .kernels import quantize as kq
+        from .kernels import update_state as ku
 
-        return kq.quantize, kd.dequantize, ks.dequantize_sum
+        return kq.quantize, kd.dequantize, ks.dequantize_sum, ku.update_state
     wrap = compiled if path == "torch" else cpu._common.eager
     return (functools.partial(cpu_quantize.quantize, wrap=wrap),
             functools.partial(cpu_dequantize.dequantize, wrap=wrap),
-            functools.partial(cpu_dequantize.dequantize_sum, wrap=wrap))
+            functools.partial(cpu_dequantize.dequantize_sum, wrap=wrap),
+            functools.partial(cpu_update_state.update_state, wrap=wrap))
 
 
 def _check_config(config) -> QuantConfig:
@@ -453,4 +457,44 @@ def dequantize_sum(rows: torch.Tensor, numel: int, dtype: torch.dtype, config: Q
     path = _select_impl(device, impl)
     meta, codes = _payload_views(rows, numel, config)
     _launchers(path)[2](meta, codes, own, out, config, skip, op, factor)
+    return out
+
+
+@torch.no_grad()
+def update_state_rows(state: torch.Tensor, deltas: torch.Tensor, numel: int,
+                      state_config: QuantConfig, delta_config: QuantConfig, *,
+                      out: torch.Tensor, impl: str | None = None,
+                      check: bool = True) -> torch.Tensor:
+    """A weight-difference gather's receive side (:mod:`qcomm.fsdp`) in one call, row by
+    row: ``y = decode(state row r) + decode(deltas row r)`` (fp32, one add), stored into
+    row r of ``out`` (cast to its dtype), and ``y`` quantized back into ``state`` row r
+    in place (``state_config`` rounds to nearest; a metadata word that comes out inf or
+    NaN is stored as 0, so a bucket that held a non-finite value decodes to zeros next
+    time). ``state`` [R, packed_nbytes(numel, state_config)] uint8, payloads of fp32
+    sources; ``deltas`` [R, packed_nbytes(numel, delta_config)] (fp32 sources), any
+    other bucket size, scheme and bits; ``out`` [R, numel] (rows of any stride). The
+    values and bytes of :func:`qcomm.oracle.update_state`; what a decode of the state,
+    an accumulating :func:`dequantize_rows` of the deltas and a :func:`quantize_rows`
+    back give, in one pass over memory. ``check``: compare every row's header first."""
+    state_config, delta_config = _check_config(state_config), _check_config(delta_config)
+    if state_config.rounding != "nearest":
+        raise ValueError(f"update_state_rows: the state must round to nearest (every rank "
+                         f"keeps the same bytes), got {state_config!r}")
+    device = state.device if isinstance(state, torch.Tensor) else None
+    _check_rows("state", state, numel, state_config, device)
+    _check_rows("deltas", deltas, numel, delta_config, device)
+    R = state.shape[0]
+    if deltas.shape[0] != R:
+        raise ValueError(f"deltas has {deltas.shape[0]} rows, state has {R}")
+    _check_float_rows("out", out, R, numel, device)
+    if check:
+        check_headers(state, numel, torch.float32, state_config, who="state row")
+        check_headers(deltas, numel, torch.float32, delta_config, who="deltas row")
+    calls["update_state_rows"] += 1
+    if numel == 0 or R == 0:
+        return out
+    path = _select_impl(device, impl)
+    s_meta, s_codes = _payload_views(state, numel, state_config)
+    d_meta, d_codes = _payload_views(deltas, numel, delta_config)
+    _launchers(path)[3](s_meta, s_codes, d_meta, d_codes, out, state_config, delta_config)
     return out

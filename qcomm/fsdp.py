@@ -64,7 +64,7 @@ import torch.distributed as dist
 from . import collectives as C
 from . import driver
 from . import inner as I
-from .codec import dequantize_rows, quantize_rows
+from .codec import dequantize_rows, quantize_rows, update_state_rows
 from .config import QuantConfig
 from .layout import HEADER_NBYTES, meta_nbytes, packed_nbytes
 
@@ -106,9 +106,10 @@ class PieceState:
     - ``"float32"``: an fp32 [world, n] tensor; a piece's rows are a view of it.
     - ``"dtype"``: a [world, n] tensor of ``dtype``; loaded into an fp32 scratch buffer,
       stored rounded to nearest even.
-    - a QuantConfig: per piece, ``world`` payload rows of that config (the wire format);
-      loaded by one :func:`qcomm.codec.dequantize_rows`, stored by one
-      :func:`qcomm.codec.quantize_rows` (round to nearest: the same fp32 rows give the
+    - a QuantConfig: per piece, ``world`` payload rows of that config (the wire format),
+      updated with the received differences by one
+      :func:`qcomm.codec.update_state_rows` (:meth:`update`: decode, add, store the
+      output, requantize in one pass; round to nearest: the same fp32 sums give the
       same bytes on every rank and device). A bucket holding inf or NaN is stored with
       zero meta, so it decodes to zeros: state never keeps a non-finite value.
 
@@ -137,18 +138,14 @@ class PieceState:
     def quantized(self) -> bool:
         return isinstance(self.state, QuantConfig)
 
-    def load(self, call: driver.Call, p: int, a: int, b: int,
-             into: torch.Tensor | None = None) -> torch.Tensor:
+    def load(self, call: driver.Call, p: int, a: int, b: int) -> torch.Tensor:
         """Piece ``p``'s rows (elements ``[a, b)``) as fp32 [world, b - a]: what the
-        caller changes in them it hands to :meth:`store`. ``into``: fp32 rows to decode
-        a quantized state into (else a scratch buffer; :meth:`store` only reads them)."""
+        caller changes in them it hands to :meth:`store` (a scratch buffer where the
+        state is not fp32; :meth:`store` only reads it)."""
         if self.state == STATE_FP32:
             return self.data[:, a:b]
-        if into is not None and self.quantized:
-            rows = into
-        else:
-            rows = call.buffer("fsdp_state", self.world * (b - a), torch.float32,
-                               self.data[0].device).view(self.world, b - a)
+        rows = call.buffer("fsdp_state", self.world * (b - a), torch.float32,
+                           self.data[0].device).view(self.world, b - a)
         if self.state == STATE_DTYPE:
             rows.copy_(self.data[:, a:b])
         else:
@@ -173,6 +170,16 @@ class PieceState:
         # in every scheme (its codes are all zero): a few bytes a bucket, not a pass
         # over the elements
         meta.view(torch.float32).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
+    def update(self, p: int, deltas: torch.Tensor, config: QuantConfig,
+               out: torch.Tensor) -> None:
+        """A quantized state's piece ``p`` plus ``deltas`` (its ``world`` payload rows of
+        ``config``) into ``out`` [world, b - a] and back into the state, in one pass
+        (:func:`qcomm.codec.update_state_rows`): what :meth:`load`, an accumulating
+        decode and :meth:`store` give, byte for byte."""
+        a, b = self.parts[p]
+        update_state_rows(self.data[p], deltas, b - a, self.state, config, out=out,
+                          check=False)
 
     def subtract_row(self, call: driver.Call, r: int, x: torch.Tensor) -> torch.Tensor:
         """``x -= row r`` (``x``: fp32 [n]), piece by piece through a piece-sized scratch
@@ -253,23 +260,20 @@ class DeltaAllGather(_PerModule, _AllGatherBase):
             check = call.check_descriptors(n, delta.dtype, None, inp.device)
             out_rows = out.view(world, n)
 
-            # fp32 parameters and a quantized state: the sum is made in the output
-            # itself (decode the state into it, add the differences, requantize from
-            # it): 18.5 bytes moved an element instead of 26.5 through a scratch copy
-            direct = out.dtype == torch.float32 and ref.quantized
-
             def decode(p: int, a: int, b: int, rows: torch.Tensor) -> None:
                 # every rank: the same state and payload bytes through the same code,
-                # so the same reconstruction, bit for bit
-                acc = ref.load(call, p, a, b, into=out_rows[:, a:b] if direct else None)
+                # so the same reconstruction, bit for bit. Non-finite weights arrive
+                # non-finite (buckets decode NaN) but are not kept: those entries (a
+                # quantized state: those buckets) restart from zero on every rank, so
+                # weights repaired after a bad step (a reloaded checkpoint) come back at
+                # the next gather
+                if ref.quantized:
+                    ref.update(p, rows, call.q, out_rows[:, a:b])
+                    return
+                acc = ref.load(call, p, a, b)
                 dequantize_rows(rows, b - a, torch.float32, call.q, out=acc,
                                 accumulate=True, check=False)
-                # non-finite weights arrive non-finite (buckets decode NaN) but are not
-                # kept: those entries (a quantized state: those buckets) restart from
-                # zero on every rank, so weights repaired after a bad step (a reloaded
-                # checkpoint) come back at the next gather
-                if not direct:
-                    out_rows[:, a:b].copy_(acc)
+                out_rows[:, a:b].copy_(acc)
                 ref.store(p, acc)
 
             gather = C.two_level_all_gather if call.two_level else C.packed_all_gather

@@ -248,3 +248,22 @@ def dequantize_sum(payloads: list[torch.Tensor | None], config, numel: int, own:
     elif op == "premul":
         acc = acc * f32(factor)
     return acc.to(dtype)
+
+
+def update_state(state: torch.Tensor, delta: torch.Tensor, numel: int, state_config,
+                 delta_config, dtype: torch.dtype = F32) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row of a weight-difference gather's receive side (``qcomm.fsdp``): the sum
+    ``state + delta`` of two decoded payloads, one fp32 add an element, returned cast to
+    ``dtype``, and that fp32 sum quantized back into a new state payload (``state_config``
+    rounds to nearest: no seed), whose non-finite metadata words are then set to 0 (a
+    bucket holding inf or NaN decodes to zeros next time; codes as :func:`quantize`
+    writes them). Returns (values, new state payload); the state payloads are of fp32
+    sources."""
+    assert state_config.rounding == "nearest", "a state rounds to nearest"
+    acc = dequantize(state, state_config, numel) + dequantize(delta, delta_config, numel)
+    new = quantize(acc, state_config, seed=0)
+    sid = effective_scheme_id(state_config.scheme, state_config.bits)
+    end = HEADER_NBYTES + 4 * meta_words(sid) * -(-numel // state_config.bucket_size)
+    meta = new[HEADER_NBYTES:end].view(F32)
+    meta.copy_(torch.nan_to_num(meta, nan=0.0, posinf=0.0, neginf=0.0))
+    return acc.to(dtype), new

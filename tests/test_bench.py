@@ -15,6 +15,7 @@ import torch
 
 import qcomm
 from bench import collectives, common, link, train
+from bench import rows as rows_bench
 from bench.__main__ import main, parser
 
 ROOT_AND_IP = os.geteuid() == 0 and shutil.which("ip") is not None
@@ -83,6 +84,22 @@ def test_table_and_header():
     assert isa and isa in text
     if isa != "DEFAULT":
         assert common.machine_name(h).endswith("-" + isa.lower())
+
+
+def test_rows(tmp_path):
+    """One codec call for all rows, on every op: one per payload (or qcomm.fsdp's three
+    calls of a state update) against one."""
+    assert main(["rows", "--ops", ",".join(rows_bench.OPS), "--worlds", "2,4", "--sizes",
+                 "1000", "--bits", "4", "--iters", "1", "--budget", "0", "--out",
+                 str(tmp_path), "--no-plot"]) == 0
+    _, rows = _load(tmp_path / ("rows-" + "+".join(rows_bench.OPS) + ".json"))
+    assert len(rows) == len(rows_bench.OPS) * 2
+    for r in rows:
+        loop = {"ag-decode": r["world"], "rs-encode": r["world"] - 1, "rs-decode": r["world"] - 1,
+                "delta-update": 3}[r["op"]]
+        assert (r["loop_calls"], r["rows_calls"]) == (loop, 1), r
+    with pytest.raises(SystemExit):
+        main(["rows", "--ops", "ag-decode,bogus"])
 
 
 def test_codec(tmp_path, capsys):

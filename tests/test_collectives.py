@@ -363,7 +363,7 @@ def _launch_count_body(rank, world):
     call of each collective, 3001 elements per rank in pieces of 1024 (3 pieces, the
     last with a partial bucket); eager path (QCOMM_COMPILE=0), so 8 ranks on 2 cores
     compile nothing."""
-    from qcomm import codec
+    from qcomm import codec, fsdp
     from qcomm.cpu import _common
 
     qcomm.collectives.PIECE = 1024
@@ -376,7 +376,10 @@ def _launch_count_body(rank, world):
         "reduce_scatter": lambda: qcomm.reduce_scatter_tensor(
             torch.empty(n), make(rank, world * n), ReduceOp.AVG, pg),
         "all_reduce": lambda: qcomm.all_reduce(make(rank, world * n), group=pg),
+        "delta_gather": lambda: delta_gather(out, out[rank * n:(rank + 1) * n].copy_(
+            make(rank, n)), pg),
     }
+    out, delta_gather = torch.empty(world * n), fsdp.DeltaAllGather()
     res = {}
     for name, fn in calls.items():
         fn()  # the first call of a group also agrees on its config
@@ -390,13 +393,18 @@ def test_codec_calls_do_not_grow_with_world_size():
     """Each compressed collective makes the same codec calls at 2, 4 and 8 ranks: per
     piece, an all-gather one quantize and one decode of all received rows, a
     reduce-scatter one quantize of all peer rows and one fused decode-sum-op-cast, an
-    all-reduce both; and the torch path's piece calls inside them stop growing (4 and 8
-    ranks alike: the peer rows on either side of a rank's own are one block each)."""
+    all-reduce both, qcomm.fsdp's weight-difference gather one state update of all
+    rows; and the torch path's piece calls inside them stop growing (4 and 8 ranks
+    alike: the peer rows on either side of a rank's own are one block each)."""
     got = {w: run_ranks(_launch_count_body, w, backend="gloo", env={"QCOMM_COMPILE": "0"},
                         timeout=300) for w in (2, 4, 8)}
     pieces = 3
     want = {"all_gather": {"quantize": pieces, "dequantize_rows": pieces},
             "reduce_scatter": {"quantize_rows": pieces, "dequantize_sum": pieces}}
+    # weight differences: the own row's state subtracted, the differences quantized,
+    # then one fused state update of all rows (decode, add, store, requantize)
+    want["delta_gather"] = {"dequantize_rows": pieces, "quantize": pieces,
+                            "update_state_rows": pieces}
     want["all_reduce"] = {}
     for name in ("all_gather", "reduce_scatter"):
         for k, v in want[name].items():
