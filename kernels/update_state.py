@@ -99,10 +99,10 @@ def _update_state_kernel(
 
 def update_state(s_meta: torch.Tensor, s_codes: torch.Tensor, d_meta: torch.Tensor,
                  d_codes: torch.Tensor, out: torch.Tensor, state_config,
-                 delta_config) -> None:
+                 delta_config, scratch: torch.Tensor | None = None) -> None:
     """Rows: ``s_meta``/``s_codes`` [R, ...] views of R state payloads (rewritten),
     ``d_meta``/``d_codes`` of R difference payloads, ``out`` [R, n]; checked by
-    qcomm.codec."""
+    qcomm.codec. ``scratch`` is not read: the sum stays in registers."""
     R, n = out.shape
     if n == 0 or R == 0:
         return

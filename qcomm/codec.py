@@ -463,8 +463,8 @@ def dequantize_sum(rows: torch.Tensor, numel: int, dtype: torch.dtype, config: Q
 @torch.no_grad()
 def update_state_rows(state: torch.Tensor, deltas: torch.Tensor, numel: int,
                       state_config: QuantConfig, delta_config: QuantConfig, *,
-                      out: torch.Tensor, impl: str | None = None,
-                      check: bool = True) -> torch.Tensor:
+                      out: torch.Tensor, scratch: torch.Tensor | None = None,
+                      impl: str | None = None, check: bool = True) -> torch.Tensor:
     """A weight-difference gather's receive side (:mod:`qcomm.fsdp`) in one call, row by
     row: ``y = decode(state row r) + decode(deltas row r)`` (fp32, one add), stored into
     row r of ``out`` (cast to its dtype), and ``y`` quantized back into ``state`` row r
@@ -475,7 +475,10 @@ def update_state_rows(state: torch.Tensor, deltas: torch.Tensor, numel: int,
     other bucket size, scheme and bits; ``out`` [R, numel] (rows of any stride). The
     values and bytes of :func:`qcomm.oracle.update_state`; what a decode of the state,
     an accumulating :func:`dequantize_rows` of the deltas and a :func:`quantize_rows`
-    back give, in one pass over memory. ``check``: compare every row's header first."""
+    back give, in one pass over memory. ``scratch``: a contiguous fp32 buffer of at
+    least R * numel elements the torch path may sum in when ``out`` is not fp32 (the
+    caller's reused buffer; else it allocates one; the Triton kernel needs none).
+    ``check``: compare every row's header first."""
     state_config, delta_config = _check_config(state_config), _check_config(delta_config)
     if state_config.rounding != "nearest":
         raise ValueError(f"update_state_rows: the state must round to nearest (every rank "
@@ -487,6 +490,12 @@ def update_state_rows(state: torch.Tensor, deltas: torch.Tensor, numel: int,
     if deltas.shape[0] != R:
         raise ValueError(f"deltas has {deltas.shape[0]} rows, state has {R}")
     _check_float_rows("out", out, R, numel, device)
+    if scratch is not None and (
+            not isinstance(scratch, torch.Tensor) or scratch.dtype != torch.float32
+            or not scratch.is_contiguous() or scratch.numel() < R * numel
+            or scratch.device != device):
+        raise ValueError(f"scratch must be a contiguous float32 tensor of at least "
+                         f"{R * numel} elements on {device}, got {_what(scratch)}")
     if check:
         check_headers(state, numel, torch.float32, state_config, who="state row")
         check_headers(deltas, numel, torch.float32, delta_config, who="deltas row")
@@ -496,5 +505,6 @@ def update_state_rows(state: torch.Tensor, deltas: torch.Tensor, numel: int,
     path = _select_impl(device, impl)
     s_meta, s_codes = _payload_views(state, numel, state_config)
     d_meta, d_codes = _payload_views(deltas, numel, delta_config)
-    _launchers(path)[3](s_meta, s_codes, d_meta, d_codes, out, state_config, delta_config)
+    _launchers(path)[3](s_meta, s_codes, d_meta, d_codes, out, state_config, delta_config,
+                        scratch)
     return out

@@ -171,15 +171,20 @@ class PieceState:
         # over the elements
         meta.view(torch.float32).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
-    def update(self, p: int, deltas: torch.Tensor, config: QuantConfig,
+    def update(self, call: driver.Call, p: int, deltas: torch.Tensor, config: QuantConfig,
                out: torch.Tensor) -> None:
         """A quantized state's piece ``p`` plus ``deltas`` (its ``world`` payload rows of
-        ``config``) into ``out`` [world, b - a] and back into the state, in one pass
+        ``config``) into ``out`` [world, b - a] and back into the state, in one call
         (:func:`qcomm.codec.update_state_rows`): what :meth:`load`, an accumulating
-        decode and :meth:`store` give, byte for byte."""
+        decode and :meth:`store` give, byte for byte. A 16-bit ``out`` on the torch path
+        sums in the group's scratch buffer, as :meth:`load` does."""
         a, b = self.parts[p]
+        scratch = None
+        if out.dtype != torch.float32 and out.device.type != "cuda":
+            scratch = call.buffer("fsdp_state", self.world * (b - a), torch.float32,
+                                  out.device)
         update_state_rows(self.data[p], deltas, b - a, self.state, config, out=out,
-                          check=False)
+                          scratch=scratch, check=False)
 
     def subtract_row(self, call: driver.Call, r: int, x: torch.Tensor) -> torch.Tensor:
         """``x -= row r`` (``x``: fp32 [n]), piece by piece through a piece-sized scratch
@@ -268,7 +273,7 @@ class DeltaAllGather(_PerModule, _AllGatherBase):
                 # weights repaired after a bad step (a reloaded checkpoint) come back at
                 # the next gather
                 if ref.quantized:
-                    ref.update(p, rows, call.q, out_rows[:, a:b])
+                    ref.update(call, p, rows, call.q, out_rows[:, a:b])
                     return
                 acc = ref.load(call, p, a, b)
                 dequantize_rows(rows, b - a, torch.float32, call.q, out=acc,

@@ -80,11 +80,13 @@ def test_update_state_rows_is_the_oracle(impl, scfg, dcfg, n):
     deltas = payload_rows(n, dcfg, seed=2, scale=0.01)
     for dtype in (torch.float32, torch.bfloat16):
         want_vals, want_state = expected(state, deltas, n, scfg, dcfg, dtype)
-        s = state.clone()
-        out = torch.full((R, n + 5), 7.0, dtype=dtype, device=DEVICE)[:, :n]
-        update_state_rows(s, deltas, n, scfg, dcfg, out=out, impl=impl)
-        assert torch.equal(bits_of(out), bits_of(want_vals))
-        assert torch.equal(s.cpu(), want_state)
+        # a 16-bit out sums in the caller's scratch buffer when given (qcomm.fsdp's)
+        for scratch in (None, torch.full((R * n + 3,), 5.0, device=DEVICE)):
+            s = state.clone()
+            out = torch.full((R, n + 5), 7.0, dtype=dtype, device=DEVICE)[:, :n]
+            update_state_rows(s, deltas, n, scfg, dcfg, out=out, scratch=scratch, impl=impl)
+            assert torch.equal(bits_of(out), bits_of(want_vals))
+            assert torch.equal(s.cpu(), want_state)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -129,6 +131,9 @@ def test_update_state_rows_refuses_bad_input():
         update_state_rows(state, deltas[:2], n, scfg, dcfg, out=out)
     with pytest.raises(ValueError, match="deltas must be a 2-D uint8"):
         update_state_rows(state, deltas, n, scfg, QuantConfig(bits=2, bucket_size=64), out=out)
+    with pytest.raises(ValueError, match="scratch must be a contiguous float32 tensor of "
+                       "at least 300"):
+        update_state_rows(state, deltas, n, scfg, dcfg, out=out, scratch=torch.empty(299))
     with pytest.raises(ValueError, match=r"out must be a \[3, 100\]"):
         update_state_rows(state, deltas, n, scfg, dcfg, out=out[:, :99])
     wrong = state.clone()

@@ -17,36 +17,30 @@ output) instead of the three launches' 18.5.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from ._common import eager
 from .dequantize import dequantize
 from .quantize import quantize
 
-_scratch = threading.local()  # per thread (the engine's worker, the caller): fp32 buffers
-
-
-def _buffer(numel: int, device: torch.device) -> torch.Tensor:
-    """A grow-only fp32 buffer of this thread: a fresh multi-MiB allocation per call is
-    page faults every call (glibc serves it from mmap)."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < numel or buf.device != device:
-        buf = _scratch.buf = torch.empty(numel, dtype=torch.float32, device=device)
-    return buf[:numel]
-
 
 def update_state(s_meta: torch.Tensor, s_codes: torch.Tensor, d_meta: torch.Tensor,
-                 d_codes: torch.Tensor, out: torch.Tensor, state_config, delta_config, *,
-                 wrap=eager) -> None:
+                 d_codes: torch.Tensor, out: torch.Tensor, state_config, delta_config,
+                 scratch: torch.Tensor | None, *, wrap=eager) -> None:
     """Rows: ``s_meta``/``s_codes`` [R, ...] views of R state payloads (rewritten),
     ``d_meta``/``d_codes`` of R difference payloads, ``out`` [R, n] (any float dtype,
-    rows of any stride): the signature of ``qcomm.kernels.update_state.update_state``,
-    plus ``wrap``. Checked by :mod:`qcomm.codec`."""
+    rows of any stride), ``scratch`` fp32 of at least R * n elements or None: the
+    signature of ``qcomm.kernels.update_state.update_state``, plus ``wrap``. Checked by
+    :mod:`qcomm.codec`."""
     R, n = out.shape
-    # the sum in fp32: the output itself, else a buffer cast into it at the end
-    y = out if out.dtype == torch.float32 else _buffer(R * n, out.device).view(R, n)
+    # the sum in fp32: the output itself, else the scratch (or a new buffer) cast into it
+    # at the end
+    if out.dtype == torch.float32:
+        y = out
+    elif scratch is not None:
+        y = scratch[: R * n].view(R, n)
+    else:
+        y = torch.empty(R, n, dtype=torch.float32, device=out.device)
     if R == 1:  # one payload: the 1-D calls (a [1, ...] graph would be one more compile)
         dequantize(s_meta[0], s_codes[0], y[0], state_config, False, wrap=wrap)
         dequantize(d_meta[0], d_codes[0], y[0], delta_config, True, wrap=wrap)
