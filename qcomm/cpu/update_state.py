@@ -5,14 +5,13 @@ that is fp32), add the decoded differences, quantize the sum back into the state
 
 Why not one compiled graph here: written as one (decode both, add, store, bucket
 statistics, codes), Inductor kept full-size fp32 and int32 temporaries of it (the sum,
-the unpacked codes), and on this path's CPUs it ran slower than the three tuned passes
-at the sizes a collective's pieces have: W = 8 rows of 2^19 elements, 6.3-7.1 ms a call
-in chunks of 2^17-2^18 elements (18.5 ms in chunks of 2^15) against 4.8-5.2 ms for the
-three passes; W = 2, 1.8-1.9 against 1.2-1.3 ms; only at 2^16 elements a row, W = 2,
-was it ahead (0.32 against 0.40 ms). One run each, AMD EPYC, 2 cores, AVX-512, torch
-2.13, 4-bit differences in 1024-element buckets, the default 8-bit state. On a GPU,
-where such passes are bound by memory, the kernel moves 6.5 bytes an element (fp32
-output) instead of the three launches' 18.5.
+the unpacked codes), and it ran slower than the three tuned passes except at small
+sizes. ``bench/experiments/fused_state_update.py`` (8-bit state, 4-bit differences in
+1024-element buckets; AMD EPYC, 2 cores, AVX-512, torch 2.13; one run, one graph / three
+passes, ms): W = 2 x 2^16 0.35 / 0.72; W = 8 x 2^17 1.44 / 1.43; W = 2 x 2^20
+3.45 / 2.13; W = 8 x 2^20 50.9 / 11.0, and in calls of 128 spans (2^17 elements a row)
+13.1 / 10.1. On a GPU, where such passes are bound by memory, the kernel moves 6.5
+bytes an element (fp32 output) instead of the three launches' 18.5.
 """
 
 from __future__ import annotations
