@@ -101,6 +101,40 @@ def test_dequantize_rows_and_sum_match_the_oracle(impl, scheme, bits, dtype, n):
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the torch path is the CPU's")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_strided_rows_decode_one_row_a_call(dtype, monkeypatch):
+    """Strided output rows past qcomm.cpu.dequantize.STRIDED_ROWS_SPLIT (a collective's
+    piece of its W output slots) are decoded one row per call, to the oracle's values,
+    stored and accumulated; contiguous rows stay one call."""
+    from qcomm.cpu import _common
+    from qcomm.cpu import dequantize as cpu_dequantize
+
+    monkeypatch.setattr(cpu_dequantize, "STRIDED_ROWS_SPLIT", 2 * B)
+    cfg = QuantConfig(bits=4, bucket_size=B)
+    n = 5 * B + 7  # full buckets and a partial one per row
+    payloads = torch.stack([oracle.quantize(x, cfg, 9 + r) for r, x in
+                            enumerate(rows_of(n, torch.float32, seed=4))])
+    want = [oracle.dequantize(payloads[r], cfg, n) for r in range(R)]
+    slots = torch.zeros(R, 3 * n, dtype=dtype)  # the piece [n, 2n) of each row's slot
+    acc = torch.ones(R, 3 * n)
+    for out, accumulate in ((slots[:, n:2 * n], False), (acc[:, n:2 * n], True)):
+        before = _common.calls["eager"]
+        dequantize_rows(payloads, n, torch.float32, cfg, out=out, accumulate=accumulate,
+                        impl="eager")
+        assert _common.calls["eager"] - before == 2 * R  # per row: full buckets, the tail
+    for r in range(R):
+        assert torch.equal(bits_of(slots[r, n:2 * n]), bits_of(want[r].to(dtype))), r
+        assert torch.equal(bits_of(acc[r, n:2 * n]), bits_of(want[r] + 1.0)), r
+    assert not slots[:, :n].any() and not slots[:, 2 * n:].any()  # nothing outside
+    assert torch.equal(acc[:, :n], torch.ones(R, n))
+    whole = torch.empty(R, n, dtype=dtype)
+    before = _common.calls["eager"]
+    dequantize_rows(payloads, n, torch.float32, cfg, out=whole, impl="eager")
+    assert _common.calls["eager"] - before == 2  # contiguous rows: one call of each kind
+    assert all(torch.equal(bits_of(whole[r]), bits_of(want[r].to(dtype))) for r in range(R))
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the torch path is the CPU's")
 @pytest.mark.parametrize("bits", [4, 8])  # codes through a byte buffer; straight in
 def test_compiled_rows_match_eager(bits, monkeypatch):
     """The compiled graphs of rows (a [rows, buckets, B] graph beside the [buckets, B]

@@ -28,7 +28,16 @@ def dequantize(meta: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, confi
     2.8-3.4; 3 bits (bytes) 0.38-0.41 staged, 0.22 direct. On AVX-512 a direct 16-bit
     store was measured (with the older 16-lane groups) 2-9x slower than staged: into
     bf16, 2^22 elements, minmax 8-bit 0.81 -> 2.0 G elements/s staged, minmax 4-bit
-    0.53 -> 1.8, nuq 4-bit 0.16 -> 1.6."""
+    0.53 -> 1.8, nuq 4-bit 0.16 -> 1.6.
+
+    Rows ``out`` [R, n] that are not one contiguous block (a collective's piece: columns
+    ``[a, b)`` of its W output slots) and longer than :data:`STRIDED_ROWS_SPLIT` go one
+    row per call."""
+    if (out.dim() == 2 and out.shape[0] > 1 and out.shape[-1] > STRIDED_ROWS_SPLIT
+            and not out.is_contiguous()):
+        for r in range(out.shape[0]):
+            dequantize(meta[r], codes[r], out[r], config, accumulate, wrap=wrap)
+        return
     kw = dict(bits=config.bits, bucket_size=config.bucket_size, scheme=config.scheme,
               wrap=wrap)
     direct = (accumulate or out.dtype == torch.float32 or out.device.type == "cuda"
@@ -39,6 +48,18 @@ def dequantize(meta: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, confi
     else:
         dequantize_flat(meta, codes, out, staged=max(1, _STAGED // config.bucket_size), **kw)
 
+
+# Rows longer than this, stored into a strided [R, n] output, are decoded one row per
+# graph call. The [rows, buckets, B] graph over a strided output (symbolic row stride)
+# ran slower per element than one call per contiguous row from 2^18-2^19 elements a row
+# up, and fell off a cliff at 2^20 (R x 2^21 fp32 outputs decoded in pieces of the
+# size, ms, rows graph / a call per row, 1 thread, AMD EPYC AVX-512): 2 bits R = 2
+# 2^17 3.60 / 4.45, 2^18 2.44 / 2.11, 2^19 2.27 / 1.64, 2^20 2.40 / 1.22; R = 8 2^17
+# 7.30 / 11.80, 2^18 7.80 / 7.95, 2^19 8.06 / 6.51, 2^20 38.0 / 5.74; 8 bits R = 8 2^18
+# 9.80 / 8.44, 2^19 11.47 / 7.48, 2^20 38.9 / 6.07. Into contiguous rows the rows graph
+# stays ahead (`python -m bench rows`: 1.2-2.0x at 2^20). Below the split the fixed
+# ~90 us of each extra call costs more than the graph loses.
+STRIDED_ROWS_SPLIT = 1 << 18
 
 # Elements decoded at once into a 16-bit output where it is staged: 2^18, 1 MiB of fp32
 # that stays in cache. A full-size fp32 buffer cost a fresh, page-faulting allocation
