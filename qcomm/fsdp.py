@@ -257,7 +257,7 @@ class DeltaAllGather(_PerModule, _AllGatherBase):
                                  inner.rank())
 
         def compressed(call: driver.Call) -> tuple[int, int]:
-            parts = C.pieces(n, call.q.bucket_size)
+            parts = C.pieces(n, call.q)
             ref = self._state(group, world, n, inp.dtype, inp.device, parts)
             # reads inp (a view into out) before anything is written; a copy, never
             # the caller's tensor

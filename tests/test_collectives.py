@@ -10,6 +10,7 @@ quantized contributions' steps, and an all-reduce adds one step of the reduced c
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
 
@@ -322,6 +323,32 @@ class PipelineRecorder(Recorder):
 
     def all_to_all_single(self, out, inp, out_splits, in_splits, opts):
         return self._started(super().all_to_all_single(out, inp, out_splits, in_splits, opts))
+
+
+def test_pieces_keep_payload_bytes_across_widths():
+    """A piece is PIECE elements at 8 bits and the same payload bytes at fewer (2^20 at 4
+    bits, 2^21 at 2), at most a quarter of the tensor but never under PIECE elements;
+    whole buckets, the last piece the rest, covering the tensor exactly."""
+    from qcomm.collectives import PIECE, pieces
+
+    def steps(n, bits, bucket=1024):
+        parts = pieces(n, QuantConfig(bits=bits, bucket_size=bucket))
+        assert parts[0][0] == 0 and parts[-1][1] == n
+        assert all(b == c for (_, b), (c, _) in itertools.pairwise(parts))
+        assert all((b - a) % bucket == 0 for a, b in parts[:-1])
+        return [b - a for a, b in parts]
+
+    assert PIECE == 1 << 19
+    assert steps(1 << 24, 8) == [1 << 19] * 32
+    assert steps(1 << 24, 4) == [1 << 20] * 16
+    assert steps(1 << 24, 2) == [1 << 21] * 8
+    assert steps(1 << 24, 1) == [1 << 22] * 4
+    assert steps(1 << 22, 2) == [1 << 20] * 4  # a quarter of the tensor
+    assert steps(1 << 21, 2) == [1 << 19] * 4
+    assert steps(3 << 18, 2) == [1 << 19, 1 << 18]  # never under PIECE
+    assert steps(1000, 2) == [1000] and steps(0, 8) == [0]
+    assert steps((1 << 22) + 5, 4, bucket=192) == [1048512] * 4 + [(1 << 22) + 5 - 4 * 1048512]
+    assert steps(1 << 24, 3) == [1397760] * 12 + [4096]  # 2^19 * 8 / 3, whole buckets
 
 
 def _pieces_body(rank, world, piece):
