@@ -262,7 +262,8 @@ def _quantize_fed(call: Call, x: torch.Tensor, fed: torch.Tensor, seeds: list[in
 # bits, 2^21 at 2; but a tensor is cut into at least MIN_PIECES pieces of at least PIECE
 # elements where it can. Measured (2 ranks at 1 Gbit/s, AMD EPYC 2 cores AVX-512, all
 # three sizes alternating in one run, medians of 10 calls, ms, pieces of 2^19 / 2^20 /
-# 2^21 elements): all-gather 2^22 elements a rank 2 bits 23.6 / 17.0 / 20.2, 4 bits
+# 2^21 elements; `bench/experiments/pipeline_toggle.py pieces 1gbit ag|rs`):
+# all-gather 2^22 elements a rank 2 bits 23.6 / 17.0 / 20.2, 4 bits
 # 29.8 / 26.4 / 26.2, 8 bits 38.8 / 43.3 / 45.6; 2^24: 2 bits 71.1 / 60.7 / 52.2,
 # 4 bits 95.8 / 82.4 / 82.9, 8 bits 156.6 / 148.7 / 154.7; reduce-scatter 2^22: 19.1 /
 # 15.4 / 17.8, 23.0 / 22.5 / 28.8, 38.6 / 44.2 / 47.8; 2^24: 68.7 / 57.8 / 48.2, 83.1
@@ -273,17 +274,11 @@ PIECE = 1 << 19
 MIN_PIECES = 4
 
 
-def piece_elements(n: int, q) -> int:
-    """Elements per piece of an ``n``-element tensor sent in QuantConfig ``q``: see
-    :data:`PIECE`; a whole number of buckets."""
-    step = min(PIECE * 8 // q.bits, max(PIECE, n // MIN_PIECES))
-    return max(q.bucket_size, step // q.bucket_size * q.bucket_size)
-
-
 def pieces(n: int, q) -> list[tuple[int, int]]:
-    """``[start, stop)`` pieces of ``n`` elements sent in QuantConfig ``q``
-    (:func:`piece_elements` each, the last the rest): whole buckets but the last."""
-    step = piece_elements(n, q)
+    """``[start, stop)`` pieces of ``n`` elements sent in QuantConfig ``q`` (sizes: see
+    :data:`PIECE`), each a whole number of buckets but the last."""
+    step = min(PIECE * 8 // q.bits, max(PIECE, n // MIN_PIECES))
+    step = max(q.bucket_size, step // q.bucket_size * q.bucket_size)
     return [(a, min(a + step, n)) for a in range(0, n, step)] or [(0, 0)]
 
 
