@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything qcomm checks and times on a lent GPU machine, in one call of about 7 minutes
+# Everything qcomm checks and times on a lent GPU machine, in one call of about 8 minutes
 # (the lease is 15 minutes, start included). Run from the repository root:
 #
 #     OUT=/some/folder bash bench/device_check.sh
@@ -17,6 +17,8 @@
 #      3c. a collective's codec per piece, one launch for all payloads (the row kernels)
 #      against one per payload, W = 2, 8, 16 (bench rows), and qcomm.fsdp's fused state
 #      update against the three launches it replaces (bench rows --ops delta-update);
+#      3d. peak torch.cuda.max_memory_allocated of FSDP2 training, plain against
+#      qcomm.fsdp's state (bench memory --device cuda, world 1 on NCCL);
 #   4. the same for 1, 2 and 4 warps per bucket program (the kernels' one tuning knob).
 # Results and logs go to $OUT/results.tgz (re-packed after every phase) and $OUT/log.txt.
 #
@@ -103,6 +105,11 @@ echo "exit $?" >> "$R/rows.log"; tail -n 30 "$R/rows.log"
 timeout 40 $PY -m bench rows --device cuda --ops delta-update --bits 4 --worlds 2,8,16 \
   --sizes 16..24:4 --out "$R/rows" > "$R/rows-delta.log" 2>&1
 echo "exit $?" >> "$R/rows-delta.log"; tail -n 12 "$R/rows-delta.log"
+pack
+log "phase 3d: peak GPU memory per rank, plain FSDP2 vs qcomm.fsdp's state (NCCL, world 1)"
+timeout 120 $PY -m bench memory --device cuda --world 1 --no-plot --out "$R/memory" \
+  > "$R/memory-cuda.log" 2>&1
+echo "exit $?" >> "$R/memory-cuda.log"; tail -n 8 "$R/memory-cuda.log"
 pack
 log "phase 4: warps per bucket program (QCOMM_TRITON_WARPS), triton vs copy"
 for w in 1 2 4; do

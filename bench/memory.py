@@ -24,8 +24,13 @@ of one state measured 88 MiB apart that way).
 
 Per rank: ``peak`` (the process's peak RSS, ``ru_maxrss``), ``state``
 (``state_nbytes()`` of qcomm.fsdp's collectives) and the steady RSS after the steps.
-Reported per variant: the largest rank's, and its excess over ``fsdp2``'s. CPU only
-for now: a GPU figure (``torch.cuda.max_memory_allocated``) is not built.
+Reported per variant: the largest rank's, and its excess over ``fsdp2``'s.
+
+``--device cuda`` (``bench/device_check.sh``): rank r trains on ``cuda:r % count`` and
+``peak`` is ``torch.cuda.max_memory_allocated`` over the whole run (``steady``: allocated
+after the steps), the host's RSS beside it. Ranks get NCCL where every rank has a GPU of
+its own, else gloo over CUDA tensors (``QCOMM_INNER=gloo`` under qcomm), since NCCL
+refuses two ranks on one GPU.
 """
 
 from __future__ import annotations
@@ -63,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="the dtype FSDP2 gathers and computes in (default float32)")
-    p.add_argument("--device", default="cpu", choices=("cpu",))
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: peak torch.cuda.max_memory_allocated per rank (default cpu)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per variant")
 
 
@@ -73,6 +79,12 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def cuda_backend(world: int) -> str:
+    """The exact backend of ``world`` ranks on this machine's GPUs: NCCL where each rank
+    has a GPU of its own, else gloo (NCCL refuses two ranks on one GPU)."""
+    return "nccl" if world <= torch.cuda.device_count() else "gloo"
 
 
 def worker(spec: dict) -> None:
@@ -86,9 +98,15 @@ def worker(spec: dict) -> None:
 
     pin_this_rank()
     name = spec["name"]
-    dist.init_process_group("gloo" if name == "fsdp2" else "qcomm")
+    on_cuda = spec["device"] == "cuda"
+    exact = cuda_backend(int(os.environ["WORLD_SIZE"])) if on_cuda else "gloo"
+    if on_cuda:
+        device = torch.device("cuda", int(os.environ["RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(exact if name == "fsdp2" else "qcomm")
     rank = dist.get_rank()
-    device = torch.device("cpu")
     width = spec["width"]
     with torch.device("meta"):
         blocks = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(),
@@ -124,6 +142,12 @@ def worker(spec: dict) -> None:
            # Linux: ru_maxrss in KiB
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
            "state": sum(c.state_nbytes() for c in comms), "loss": loss.item()}
+    if on_cuda:  # the GPU's figures replace the host's as peak and steady
+        torch.cuda.synchronize(device)
+        row.update(host_peak_rss=row["peak_rss"], host_rss_after=row["rss_after"],
+                   peak_rss=torch.cuda.max_memory_allocated(device),
+                   rss_after=torch.cuda.memory_allocated(device),
+                   reserved_peak=torch.cuda.max_memory_reserved(device))
     Path(spec["result"] + str(rank)).write_text(json.dumps(row))
     dist.destroy_process_group()
 
@@ -135,6 +159,8 @@ def run_variant(args, name: str) -> dict:
     from .train import parse_variant
 
     env = {} if name == "fsdp2" else parse_variant(name)
+    if args.device == "cuda" and name != "fsdp2" and cuda_backend(args.world) == "gloo":
+        env["QCOMM_INNER"] = "gloo"
     with tempfile.TemporaryDirectory(prefix="qcomm-memory-") as tmp:
         spec = {"name": name, "device": args.device, "layers": args.layers,
                 "width": args.width, "batch": args.batch, "steps": args.steps,
@@ -162,16 +188,21 @@ def columns() -> list[Column]:
             Column("peak_mib", "peak MiB", mib), Column("over_mib", "over fsdp2 MiB", mib),
             Column("state_mib", "state MiB", mib),
             Column("state_per_param", "state B/param", "{:.2f}"),
-            Column("rss_after_mib", "RSS after MiB", mib)]
+            Column("rss_after_mib", "RSS after MiB", mib)]  # on CUDA: allocated after
 
 
 def main(args) -> int:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench memory --device cuda: torch sees no CUDA device here")
     header = common.run_header("memory", device=args.device, command=args.command)
     header["sweep"] = {"variants": args.variants, "layers": args.layers, "width": args.width,
                        "batch": args.batch, "steps": args.steps, "world": args.world,
                        "param_dtype": args.param_dtype,
                        "malloc_mmap_threshold": MMAP_THRESHOLD,
-                       "peak": "ru_maxrss"}
+                       "peak": "ru_maxrss" if args.device == "cpu"
+                       else "torch.cuda.max_memory_allocated"}
+    if args.device == "cuda":
+        header["sweep"]["backend"] = cuda_backend(args.world)
     print(common.format_header(header), flush=True)
     rows = []
     for name in args.variants:
@@ -185,7 +216,8 @@ def main(args) -> int:
         r["rss_after_mib"] = r["rss_after"] / 2**20
         r["over_mib"] = None if base is None else (r["peak"] - base) / 2**20
     common.report("memory", header, columns(), rows, args.out,
-                  "memory" + ("-bf16" if args.param_dtype == "bfloat16" else ""))
+                  "memory" + ("-cuda" if args.device == "cuda" else "")
+                  + ("-bf16" if args.param_dtype == "bfloat16" else ""))
     return 0
 
 

@@ -394,3 +394,9 @@ def test_weight_error_shows_bucket_straddling():
     alone = dict(zip(names, relative_errors(shards, cfg, aligned=True), strict=True))
     assert mixed["ln1.bias"] > 1.0 and alone["ln1.bias"] < 0.15
     assert abs(mixed["fc.weight"] - alone["fc.weight"]) < 0.01  # big params: no effect
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_memory_bench_on_cuda_without_a_gpu_says_so():
+    with pytest.raises(SystemExit, match="--device cuda: torch sees no CUDA device"):
+        main(["memory", "--device", "cuda", "--layers", "1", "--width", "64"])
