@@ -13,9 +13,13 @@ the control, the same code in every tree); rank 0's median per point is the run'
 run of each tree, not counted, fills Inductor's cache. Printed: per point and tree the
 median and the minimum over rounds (us; noise here only adds time, so the minimum is
 the steadier estimate) and each tree's ratio to the first; the control rows show how
-much the machine itself drifts between trees. Uses only what every tree since e087f85
-has: ``qcomm.wrap``, ``CommConfig(all_gather=, reduce_scatter=, all_reduce=,
-topology=)``, ``QuantConfig``.
+much the machine itself drifts between trees. Then the same for CPU time per call
+(``time.process_time`` over the ``CALLS`` calls: every thread of the rank, user and
+system): a wait for the peer costs no CPU, so this is the code's own cost per call, the
+part a change to qcomm can move, without the wake-up latencies that dominate the wall
+time of a call this small on this VM (docs/results.md, "Flat collectives at 1 Gbit/s").
+Uses only what every tree since e087f85 has: ``qcomm.wrap``, ``CommConfig(all_gather=,
+reduce_scatter=, all_reduce=, topology=)``, ``QuantConfig``.
 """
 
 import json
@@ -66,12 +70,14 @@ def worker(out_path: str) -> None:
                     fn()
                 dist.barrier()
                 ts = []
+                cpu = time.process_time()
                 for _ in range(CALLS):
                     t = time.perf_counter()
                     fn()
                     ts.append(time.perf_counter() - t)
+                cpu = time.process_time() - cpu
                 rows.append({"variant": name, "collective": coll, "log2": log2,
-                             "us": statistics.median(ts) * 1e6})
+                             "us": statistics.median(ts) * 1e6, "cpu_us": cpu / CALLS * 1e6})
     if rank == 0:
         Path(out_path).write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -106,21 +112,20 @@ def main(argv: list[str]) -> int:
     out.write_text(json.dumps({"rounds": rounds, "trees": trees, "calls": CALLS,
                                "runs": runs}, indent=1))
     labels = list(trees)
-    print(f"# median and min over {rounds} rounds of each run's median of {CALLS} calls, "
-          f"us; ratio = tree / {labels[0]}")
-    print("variant  collective       size  " + "  ".join(f"{t:>14}" for t in labels))
     keys = [(row["variant"], row["collective"], row["log2"]) for row in runs[0]["rows"]]
-    for key in keys:
-        med = {t: statistics.median(row["us"] for run in runs if run["tree"] == t
-                                    for row in run["rows"]
-                                    if (row["variant"], row["collective"], row["log2"]) == key)
-               for t in labels}
-        low = {t: min(row["us"] for run in runs if run["tree"] == t for row in run["rows"]
-                      if (row["variant"], row["collective"], row["log2"]) == key)
-               for t in labels}
-        cells = [f"{med[t]:6.0f} ({med[t] / med[labels[0]]:.2f}) min {low[t]:6.0f} "
-                 f"({low[t] / low[labels[0]]:.2f})" for t in labels]
-        print(f"{key[0]:8} {key[1]:15} 2^{key[2]:<3} " + "  ".join(cells))
+    for metric, what in (("us", f"wall us, each run's median of {CALLS} calls"),
+                         ("cpu_us", f"CPU us a call, each run's mean over {CALLS} calls")):
+        print(f"# {what}: median and min over {rounds} rounds; ratio = tree / {labels[0]}")
+        print("variant  collective       size  " + "  ".join(f"{t:>14}" for t in labels))
+        for key in keys:
+            got = {t: [row[metric] for run in runs if run["tree"] == t for row in run["rows"]
+                       if (row["variant"], row["collective"], row["log2"]) == key]
+                   for t in labels}
+            med = {t: statistics.median(v) for t, v in got.items()}
+            low = {t: min(v) for t, v in got.items()}
+            cells = [f"{med[t]:6.0f} ({med[t] / med[labels[0]]:.2f}) min {low[t]:6.0f} "
+                     f"({low[t] / low[labels[0]]:.2f})" for t in labels]
+            print(f"{key[0]:8} {key[1]:15} 2^{key[2]:<3} " + "  ".join(cells))
     return 0
 
 
