@@ -203,3 +203,8 @@ def test_row_calls_refuse_bad_input():
                        skip=0)
     dequantize_sum(bad, 100, torch.float32, cfg, own=x[0].clone(), out=torch.empty(100),
                    skip=2)  # the skipped row is not read
+    first = out.clone()
+    first[0, 3] = 4  # a bad row before the skipped one (the other block of rows)
+    with pytest.raises(ValueError, match="payload row 0: .*bits"):
+        dequantize_sum(first, 100, torch.float32, cfg, own=x[1].clone(), out=torch.empty(100),
+                       skip=1)
