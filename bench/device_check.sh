@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything qcomm checks and times on a lent GPU machine, in one call of about 8 minutes
+# Everything qcomm checks and times on a lent GPU machine, in about 8 minutes
 # (the lease is 15 minutes, start included). Run from the repository root:
 #
 #     OUT=/some/folder bash bench/device_check.sh
@@ -21,6 +21,10 @@
 #      qcomm.fsdp's state (bench memory --device cuda, world 1 on NCCL);
 #   4. the same for 1, 2 and 4 warps per bucket program (the kernels' one tuning knob).
 # Results and logs go to $OUT/results.tgz (re-packed after every phase) and $OUT/log.txt.
+#
+# The phases' time limits add up to ~15 minutes, and one device command runs at most 10:
+# PART=1 runs phases 1-2b (~5.5 minutes at most), PART=2 phases 3-4 (~9.5), each packing
+# its results as it goes; run them as two calls back to back (the machine stays warm).
 #
 # QUICK=1 runs a 3-minute subset (a second look within the same lease): the kernel tests,
 # the backend check for two configs, and Triton codec throughput for fp32 and bf16.
@@ -61,6 +65,7 @@ if [ "${QUICK:-0}" = 1 ]; then
   exit 0
 fi
 
+if [ "${PART:-all}" != 2 ]; then
 log "phase 1: kernels on CUDA vs reference; CPU suite on this torch (parallel)"
 ( timeout 170 $PY -m pytest -q --maxfail=10 -n 8 -p no:cacheprovider tests/test_kernels.py \
     tests/test_rows.py tests/test_update_state.py \
@@ -87,6 +92,8 @@ echo "exit $?" >> "$R/cuda_contracts.log"
 grep -v "^\s*return func\|FutureWarning" "$R/cuda_contracts.log" | tail -n 12
 pack
 
+fi
+if [ "${PART:-all}" != 1 ]; then
 log "phase 3a: codec fp32, triton vs torch.compile vs copy"
 timeout -s INT 150 $PY -m bench codec --impls triton,torch --dtypes float32 --schemes all \
   --bits 2,4,8 --sizes 22..28:2 --out "$R/codec-fp32" > "$R/codec-fp32.log" 2>&1
@@ -120,6 +127,7 @@ for w in 1 2 4; do
   grep "^# triton" "$R/warps-$w.log" | sed "s/^/warps $w /"
 done
 pack
+fi
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
 log done
 grep "^# triton\|^# torch\|exit" "$R"/codec-*.log
