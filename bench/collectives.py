@@ -350,6 +350,7 @@ def _measure(case: Case, variant: str, rounds: list[list[float]], ref: torch.Ten
            "world": case.world, "link": spec["link"], "bits": bits, "topology": topology,
            "layout": spec["layout"], "rank_bytes": case.count * itemsize,
            "rounds": len(rounds), "round_us": [m * 1e6 for m in medians],
+           "best_us": min(x for r in rounds for x in r) * 1e6,  # the fastest timed call
            "spread": (max(medians) - min(medians)) / statistics.median(medians)}
     stat = None
     if bits is None:
@@ -490,9 +491,12 @@ def target_lines(rows: list[dict]) -> list[str]:
                 ok = "met" if bound <= OVERLAP_BOUND else "short"
                 if row["link"] == "loopback":
                     ok = "not judged on loopback"
+                # the fastest call beside it (not judged): where the median is this VM's
+                # stalls and not the pipeline, the fastest call is near the bound
+                best = row["best_us"] / max(codec, row["xfer_us"])
                 hidden = (f"; time / max(codec {codec / 1e3:.1f}, xfer "
                           f"{row['xfer_us'] / 1e3:.1f} ms) = {bound:.2f} (<= {OVERLAP_BOUND}: "
-                          f"{ok})")
+                          f"{ok}); fastest call {row['best_us'] / 1e3:.1f} ms = {best:.2f}")
             lines.append(
                 f"# {row['link']:>8} {row['collective']:14s} {common.human_bytes(row['size']):>9} "
                 f"{row['variant']}: speedup {row['speedup']:.2f}x / ratio {row['ratio']:.2f}x = "

@@ -126,7 +126,7 @@ def test_codec(tmp_path, capsys):
 def _check_collectives(rows, tag, variants, colls=collectives.COLLECTIVES):
     assert {r["collective"] for r in rows} == set(colls)
     for r in rows:
-        assert r["link"] == tag and r["time_us"] > 0
+        assert r["link"] == tag and 0 < r["best_us"] <= r["time_us"]
         assert r["busbw"] == pytest.approx(
             r["algbw"] * collectives.BUS_FACTOR[r["collective"]](r["world"]))
         if r["variant"] == "exact":
@@ -150,6 +150,16 @@ def test_collectives_loopback(tmp_path, capsys):
     _check_collectives(rows, "loopback", collectives.VARIANTS)
     out = capsys.readouterr().out
     assert "busbw(GB/s)" in out and "all_reduce" in out
+
+
+def test_target_line_judges_the_median_and_shows_the_fastest_call():
+    row = {"variant": "qcomm2", "size": 1 << 25, "speedup": 12.8, "ratio": 15.5,
+           "compressed": True, "topology": "flat", "link": "1gbit", "collective": "all_gather",
+           "time_us": 17400.0, "best_us": 10500.0, "quant_us": 4000.0, "xfer_us": 10500.0,
+           "dequant_us": 3000.0, "other_us": 0.0}
+    (line,) = collectives.target_lines([row])
+    assert "= 1.66 (<= 1.15: short)" in line  # the median call, 17.4 / 10.5
+    assert line.endswith("fastest call 10.5 ms = 1.00")
 
 
 def test_link_needs_root(monkeypatch, tmp_path, capsys):
