@@ -360,6 +360,17 @@ def run_ranks(argv: list[str], world: int, *, link: ShapedLink | None = None,
             _kill(procs)
 
 
+def run_on(rate: str, argv: list[str], world: int = 2, *, timeout_s: float = 600,
+           env: dict | None = None) -> None:
+    """:func:`run_ranks` on loopback (``rate`` "loopback") or behind a :class:`ShapedLink`
+    of ``rate``, torn down after (the probes in bench/experiments/)."""
+    if rate == "loopback":
+        run_ranks(argv, world, timeout_s=timeout_s, env=env)
+        return
+    with ShapedLink(rate) as link:
+        run_ranks(argv, world, link=link, timeout_s=timeout_s, env=env)
+
+
 def pin_this_rank() -> None:
     """In a rank: keep to the cores :func:`run_ranks` gave it (a host of its own)."""
     import torch

@@ -88,18 +88,14 @@ def rank_main(mode: str, arg: str) -> None:
 
 def main(argv: list[str]) -> int:
     sys.path.insert(0, str(ROOT))
-    from bench.link import ShapedLink, run_ranks
+    from bench.link import run_on
 
     mode = argv[0]
     rate = argv[1] if len(argv) > 1 else "1gbit"
     arg = argv[2] if len(argv) > 2 else ("22" if mode == "split" else "ag")
     cmd = [__file__, "--rank", mode, arg]
     env = {"PYTHONPATH": str(ROOT)}
-    if rate == "loopback":
-        run_ranks(cmd, 2, timeout_s=600, env=env)
-    else:
-        with ShapedLink(rate) as link:
-            run_ranks(cmd, 2, link=link, timeout_s=600, env=env)
+    run_on(rate, cmd, env=env)
     return 0
 
 

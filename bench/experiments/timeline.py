@@ -92,17 +92,13 @@ def rank_main(what: str, bits: int, logn: int, rounds: int) -> None:
 
 def main(argv: list[str]) -> int:
     sys.path.insert(0, str(ROOT))
-    from bench.link import ShapedLink, run_ranks
+    from bench.link import run_on
 
     rate = argv[0] if argv else "1gbit"
     rest = (argv[1:] + ["ag", "2", "22", "8"][len(argv[1:]):])[:4]
     cmd = [__file__, "--rank", *rest]
     env = {"PYTHONPATH": str(ROOT)}
-    if rate == "loopback":
-        run_ranks(cmd, 2, timeout_s=600, env=env)
-    else:
-        with ShapedLink(rate) as link:
-            run_ranks(cmd, 2, link=link, timeout_s=600, env=env)
+    run_on(rate, cmd, env=env)
     return 0
 
 
