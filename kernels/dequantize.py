@@ -1,8 +1,9 @@
 """Fused dequantize: one program per bucket unpacks the codes, scales them and stores
-(or accumulates in fp32, the reduce-scatter primitive) the decoded values.
+(or adds into fp32, the reduce-scatter primitive, or subtracts from it, error feedback's
+residual) the decoded values.
 
 Memory traffic per element: read b/8 B of codes (+ meta per bucket); write 4 B (fp32) or
-2 B; with accumulate, read and write 4 B of fp32.
+2 B; adding or subtracting, read and write 4 B of fp32.
 """
 
 import torch
@@ -31,7 +32,7 @@ def _to_bf16_rne(y):
 def _dequantize_kernel(
     meta_ptr,  # *fp32 [buckets * meta words]
     codes_ptr,  # *uint8 [ceil(n/8) * BITS]
-    out_ptr,  # *fp32|bf16|fp16 [n]: written, or (ACCUMULATE, fp32) added into
+    out_ptr,  # *fp32|bf16|fp16 [n]: written, or (ACCUMULATE 1 / -1, fp32) added / subtracted
     n,
     n_rows,
     BITS: tl.constexpr,
@@ -53,8 +54,10 @@ def _dequantize_kernel(
     out_ptr += r * out_row
     bucket, row, rmask, index, valid = bucket_tile(n, n_rows, B, R, RBLOCK, WIDE, B // R, 0)
     y = decode_tile(meta_ptr, codes_ptr, bucket, row, rmask, BITS, R, WORD, SCHEME, LEVELS)
-    if ACCUMULATE:
+    if ACCUMULATE == 1:
         y = y + tl.load(out_ptr + index, mask=valid, other=0.0)
+    elif ACCUMULATE == -1:  # out - decode: what the payload leaves out of out
+        y = tl.load(out_ptr + index, mask=valid, other=0.0) - y
     store_cast(out_ptr, index, valid, y)
 
 
@@ -102,8 +105,9 @@ def code_values(k, m0, m1, BITS: tl.constexpr, SCHEME: tl.constexpr, LEVELS: tl.
 
 
 def dequantize(meta: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, config,
-               accumulate: bool) -> None:
-    """Decode into 1-D contiguous ``out`` (fp32 when ``accumulate``); or rows (``meta``,
+               accumulate: int) -> None:
+    """Decode into 1-D contiguous ``out`` (``accumulate`` 0; 1: added into fp32 ``out``;
+    -1: subtracted from it); or rows (``meta``,
     ``codes`` [R, ...] views of R payloads, ``out`` [R, n]) in one launch over a
     (bucket, row) grid. Checked by qcomm.codec."""
     many = out.dim() == 2
@@ -115,6 +119,6 @@ def dequantize(meta: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, confi
     sid = effective_scheme_id(config.scheme, config.bits)
     _dequantize_kernel[(-(-n // config.bucket_size), out.shape[0] if many else 1)](
         meta, codes, out, n, SCHEME=sid, LEVELS=levels(sid, config.bits), **strides,
-        ACCUMULATE=accumulate, **tile_args(config, n, out.element_size()),
+        ACCUMULATE=int(accumulate), **tile_args(config, n, out.element_size()),
         enable_fp_fusion=False,  # mn + k * step must round as torch does (no FMA)
     )

@@ -402,19 +402,25 @@ def check_headers(rows: torch.Tensor, numel: int, dtype: torch.dtype, config: Qu
 
 @torch.no_grad()
 def dequantize_rows(rows: torch.Tensor, numel: int, dtype: torch.dtype, config: QuantConfig,
-                    *, out: torch.Tensor, accumulate: bool = False, impl: str | None = None,
-                    check: bool = True) -> torch.Tensor:
+                    *, out: torch.Tensor, accumulate: bool = False, subtract: bool = False,
+                    impl: str | None = None, check: bool = True) -> torch.Tensor:
     """Decode payload row r of ``rows`` ([R, packed_nbytes(numel)] uint8) into row r of
     ``out`` ([R, numel], rows of any stride; cast to its dtype, or with ``accumulate``
     added into it, fp32), in one call: the values of ``dequantize`` row by row.
-    ``check``: compare every row's header with the expected one first."""
+    ``subtract`` (fp32 ``out``): ``out -= decode``, in fp32, what each payload leaves out
+    of the values it was quantized from (error feedback's residual, with no buffer of
+    the decode). ``check``: compare every row's header with the expected one first."""
     config = _check_config(config)
     _check_rows("rows", rows, numel, config, rows.device if isinstance(rows, torch.Tensor)
                 else None)
     R = rows.shape[0]
     _check_float_rows("out", out, R, numel, rows.device)
-    if accumulate and out.dtype != torch.float32:
-        raise TypeError(f"accumulate=True needs a float32 out, got {_what(out)}")
+    if accumulate and subtract:
+        raise ValueError("dequantize_rows: accumulate and subtract are exclusive")
+    for flag, on in (("accumulate", accumulate), ("subtract", subtract)):
+        if on and out.dtype != torch.float32:
+            raise TypeError(f"{flag}=True needs a float32 out, got {_what(out)}")
+    accumulate = -1 if subtract else int(bool(accumulate))
     if check:
         check_headers(rows, numel, dtype, config)
     calls["dequantize_rows"] += 1

@@ -239,12 +239,14 @@ def _quantize_fed(call: Call, x: torch.Tensor, fed: torch.Tensor, seeds: list[in
             continue
         owed = fed[a:b].add_(x[a:b])
         quantize_rows(owed.to(x.dtype), q, seeds[a:b], out=send[a:b])
-        sent = call.buffer("rs_sent", (b - a) * m, torch.float32, x.device).view(b - a, m)
-        dequantize_rows(send[a:b], m, x.dtype, q, out=sent, check=False)
+        # owed - decode in place: no fp32 buffer of the decoded rows, which the group's
+        # cache would keep for good (W - 1 rows of the piece: 252 MiB at W = 64,
+        # 2^20-element pieces), and one pass over them fewer.
+        dequantize_rows(send[a:b], m, x.dtype, q, out=owed, subtract=True, check=False)
         # A non-finite gradient is sent as it is (its bucket decodes NaN: GradScaler
         # sees the overflow and skips the step) but not owed: an inf kept in the
         # residual would poison every later step of this chunk.
-        owed.sub_(sent).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        owed.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 # ---------------------------------------------------------------------------------

@@ -80,10 +80,15 @@ def test_dequantize_rows_and_sum_match_the_oracle(impl, scheme, bits, dtype, n):
     dequantize_rows(payloads, n, dtype, cfg, out=out, impl=impl)
     acc = torch.ones(R, n, device=DEVICE)
     dequantize_rows(payloads, n, dtype, cfg, out=acc, accumulate=True, impl=impl)
+    # subtracted from strided fp32 rows (error feedback's residual, in place)
+    owed = rows_of(n, torch.float32, seed=4)
+    before = owed.cpu().clone()
+    dequantize_rows(payloads, n, dtype, cfg, out=owed, subtract=True, impl=impl)
     for r in range(R):
         want = oracle.dequantize(payloads[r], cfg, n)
         assert torch.equal(bits_of(out[r]), bits_of(want.to(dtype))), r
         assert torch.equal(bits_of(acc[r]), bits_of(want + 1.0)), r
+        assert torch.equal(bits_of(owed[r]), bits_of(before[r] - want)), r
     own = rows_of(n, dtype, seed=2)[0].contiguous()
     for op, factor in (("sum", 1.0), ("avg", 3.0), ("premul", 0.3)):
         for out_dtype in {torch.float32, dtype}:
@@ -117,16 +122,19 @@ def test_long_strided_rows_decode_one_row_a_call(dtype, monkeypatch):
     want = [oracle.dequantize(payloads[r], cfg, n) for r in range(R)]
     slots = torch.zeros(R, 3 * n, dtype=dtype)  # the piece [n, 2n) of each row's slot
     acc = torch.ones(R, 3 * n)
-    for out, accumulate in ((slots[:, n:2 * n], False), (acc[:, n:2 * n], True)):
+    owed = torch.full((R, 3 * n), 0.5)
+    for out, how in ((slots[:, n:2 * n], {}), (acc[:, n:2 * n], {"accumulate": True}),
+                     (owed[:, n:2 * n], {"subtract": True})):
         before = _common.calls["eager"]
-        dequantize_rows(payloads, n, torch.float32, cfg, out=out, accumulate=accumulate,
-                        impl="eager")
+        dequantize_rows(payloads, n, torch.float32, cfg, out=out, impl="eager", **how)
         assert _common.calls["eager"] - before == 2 * R  # per row: full buckets, the tail
     for r in range(R):
         assert torch.equal(bits_of(slots[r, n:2 * n]), bits_of(want[r].to(dtype))), r
         assert torch.equal(bits_of(acc[r, n:2 * n]), bits_of(want[r] + 1.0)), r
+        assert torch.equal(bits_of(owed[r, n:2 * n]), bits_of(0.5 - want[r])), r
     assert not slots[:, :n].any() and not slots[:, 2 * n:].any()  # nothing outside
     assert torch.equal(acc[:, :n], torch.ones(R, n))
+    assert torch.equal(owed[:, 2 * n:], torch.full((R, n), 0.5))
     whole = torch.empty(R, n, dtype=dtype)
     before = _common.calls["eager"]
     dequantize_rows(payloads, n, torch.float32, cfg, out=whole, impl="eager")
@@ -165,6 +173,10 @@ def test_compiled_rows_match_eager(bits, monkeypatch):
         dequantize_rows(a, n, torch.float32, cfg, out=ya, impl="torch")
         dequantize_rows(b, n, torch.float32, cfg, out=yb, impl="eager")
         assert torch.equal(bits_of(ya), bits_of(yb))
+        za, zb = x.clone(), x.clone()
+        dequantize_rows(a, n, torch.float32, cfg, out=za, subtract=True, impl="torch")
+        dequantize_rows(b, n, torch.float32, cfg, out=zb, subtract=True, impl="eager")
+        assert torch.equal(bits_of(za), bits_of(zb))
         sa, sb = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
         own = x[1].contiguous()
         dequantize_sum(a, n, torch.float32, cfg, own=own, out=sa, skip=1, op="avg", factor=3.0,
@@ -208,3 +220,15 @@ def test_row_calls_refuse_bad_input():
     with pytest.raises(ValueError, match="payload row 0: .*bits"):
         dequantize_sum(first, 100, torch.float32, cfg, own=x[1].clone(), out=torch.empty(100),
                        skip=1)
+
+
+def test_subtract_needs_fp32_rows_and_not_accumulate():
+    cfg = QuantConfig(bits=4, bucket_size=B)
+    payloads = torch.stack([oracle.quantize(torch.randn(B), cfg, r) for r in range(2)])
+    owed = torch.zeros(2, B)
+    with pytest.raises(ValueError, match="accumulate and subtract are exclusive"):
+        dequantize_rows(payloads, B, torch.float32, cfg, out=owed, accumulate=True,
+                        subtract=True)
+    with pytest.raises(TypeError, match="subtract=True needs a float32 out"):
+        dequantize_rows(payloads, B, torch.float32, cfg, out=owed.bfloat16(), subtract=True)
+    assert not owed.any()  # nothing written by a refused call

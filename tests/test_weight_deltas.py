@@ -339,6 +339,40 @@ def test_error_feedback_cancels_gradient_quantization_error(rounding):
             assert torch.equal(fed["inp"], plain["inp"])  # inputs never written
 
 
+def _residuals(rank, world, dtype):
+    """Two error-feedback reduce-scatters (round to nearest, fp32 residuals); after each,
+    the residual rows the state keeps against what the oracle says each payload left out."""
+    from qcomm import oracle
+
+    cfg = qcomm.QuantConfig(bits=4, rounding="nearest")
+    comm = qcomm.fsdp.ErrorFeedbackReduceScatter(cfg, state="float32")
+    n = 3000  # a partial last bucket
+    g = torch.Generator().manual_seed(rank)
+    owed = torch.zeros(world, n)
+    bad = []
+    for call in range(2):
+        inp = (torch.randn(world * n, generator=g) * 2).to(dtype)
+        comm(torch.empty(n, dtype=dtype), inp, dist.group.WORLD)
+        (state,) = comm._states.values()
+        for r, chunk in enumerate(inp.chunk(world)):
+            if r == rank:  # the own chunk is never quantized: nothing owed
+                continue
+            owed[r] += chunk.float()
+            sent = oracle.dequantize(oracle.quantize(owed[r].to(dtype), cfg, 0), cfg, n)
+            owed[r] = (owed[r] - sent).nan_to_num(0.0, 0.0, 0.0)
+        if not torch.equal(state.data, owed):
+            bad.append((call, (state.data - owed).abs().max().item()))
+    return bad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_error_feedback_keeps_what_each_payload_left_out(dtype):
+    """Exact, on 3 ranks (rank 1's peers on both sides of its own chunk): the residual
+    of peer r after a call is (residual + chunk r) minus the decode of its payload."""
+    out = run_ranks(_residuals, 3, dtype, backend="gloo")
+    assert out == [[], [], []], out
+
+
 def _train_stateful(rank, world):
     model, opt = _sharded()
     # opted in per module: differences for the layers only, feedback for all

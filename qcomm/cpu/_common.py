@@ -271,9 +271,12 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.stack(out, dim=-1).reshape(*lead, -1)
 
 
-def store(dst: torch.Tensor, y: torch.Tensor, accumulate: bool) -> None:
-    """``dst += y`` (accumulate) or ``dst[...] = y``."""
-    if accumulate:
+def store(dst: torch.Tensor, y: torch.Tensor, accumulate: int) -> None:
+    """``dst[...] = y`` (``accumulate`` 0 or False), ``dst += y`` (1 or True) or ``dst -=
+    y`` (-1: what a payload leaves out of ``dst``, error feedback's residual)."""
+    if accumulate < 0:
+        dst.sub_(y)
+    elif accumulate:
         dst.add_(y)
     else:
         dst.copy_(y)

@@ -14,9 +14,9 @@ from ._common import _pieces, _row_chunks, eager, store, unpack_codes
 
 
 def dequantize(meta: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, config,
-               accumulate: bool, *, wrap=eager) -> None:
+               accumulate: int, *, wrap=eager) -> None:
     """Decode a payload's ``meta`` and ``codes`` views into contiguous ``out`` (any float
-    dtype; with ``accumulate``, fp32, added into): the same signature as
+    dtype; with ``accumulate`` 1, fp32, added into; -1, subtracted from): the same signature as
     ``qcomm.kernels.dequantize.dequantize``, plus ``wrap`` (compiled or eager). Checked
     by :mod:`qcomm.codec`, the one caller.
 
@@ -145,13 +145,13 @@ def dequantize_flat(
     bits: int,
     bucket_size: int,
     scheme: str,
-    accumulate: bool = False,
+    accumulate: int = 0,
     wrap=eager,
     staged: int | None = None,
     group: int | None | str = "auto",
 ) -> torch.Tensor:
     """Decode into ``out`` (contiguous, ``numel`` elements; cast to its dtype), or with
-    ``accumulate`` add the fp32 decode into it; returns ``out``.
+    ``accumulate`` 1 add the fp32 decode into it (-1: subtract it); returns ``out``.
 
     As :func:`qcomm.cpu.quantize.quantize_flat`, two kinds of call through ``wrap``:
     :func:`decode_buckets` on the full buckets as ``[buckets, B]`` views, :func:`decode_bucket`
