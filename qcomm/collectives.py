@@ -61,6 +61,7 @@ from torch.distributed import ReduceOp
 
 from . import inner as I
 from .codec import dequantize_rows, dequantize_sum, quantize, quantize_rows
+from .config import QuantConfig
 from .driver import Call, exact_reduce, finish, op_type, peer_bytes, premul_factor, run
 from .layout import packed_nbytes
 
@@ -135,10 +136,16 @@ def packed_all_gather(call: Call, outs: list[torch.Tensor], inp: torch.Tensor, s
     parts = pieces(n, q)
     sizes = [packed_nbytes(b - a, q) for a, b in parts]
     total = sum(sizes)
-    send = call.buffer("ag_send", total, torch.uint8, inp.device)
-    recv = call.buffer("ag_recv", world * total, torch.uint8, inp.device)
+    riding = check is not None and check.rides  # one piece, in the descriptor's envelope
+    if riding:
+        quantize(flat_in, q, seed=seed, out=check.payload())
+        check.start()
+        check.finish()
+    else:
+        send = call.buffer("ag_send", total, torch.uint8, inp.device)
+        recv = call.buffer("ag_recv", world * total, torch.uint8, inp.device)
     inflight, start = [], 0
-    for p, (a, b) in enumerate(parts):
+    for p, (a, b) in enumerate(parts if not riding else ()):
         nbytes = sizes[p]
         mine = send[start:start + nbytes]
         quantize(flat_in[a:b], q, seed=seed ^ (p << 56), out=mine)
@@ -151,8 +158,12 @@ def packed_all_gather(call: Call, outs: list[torch.Tensor], inp: torch.Tensor, s
     start = 0
     for p, (a, b) in enumerate(parts):
         nbytes = sizes[p]
-        I.wait(inflight[p], call.kind, f"the all-gather of {nbytes}-byte payloads", call.rank)
-        rows = recv[world * start: world * (start + nbytes)].view(world, nbytes)
+        if riding:
+            rows = check.received(0, nbytes)
+        else:
+            I.wait(inflight[p], call.kind, f"the all-gather of {nbytes}-byte payloads",
+                   call.rank)
+            rows = recv[world * start: world * (start + nbytes)].view(world, nbytes)
         call.check_received(rows, b - a, inp.dtype)
         # payload sizes are multiples of 16 bytes: every row's fp32 meta view is aligned
         if decode is not None:
@@ -195,8 +206,12 @@ def packed_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list[in
     parts = pieces(n, q)
     sizes = [packed_nbytes(b - a, q) for a, b in parts]
     total = sum(sizes)
-    send_all = call.buffer("rs_send", size * total, torch.uint8, device)
-    recv_all = call.buffer("rs_recv", size * total, torch.uint8, device)
+    riding = check is not None and check.rides  # one piece, in the descriptor's envelope
+    if riding:  # slot j of every envelope: the payload for rank j (this rank's unused)
+        send_all = check.payload()
+    else:
+        send_all = call.buffer("rs_send", size * total, torch.uint8, device)
+        recv_all = call.buffer("rs_recv", size * total, torch.uint8, device)
     inflight, start = [], 0
     for p, (a, b) in enumerate(parts):
         nbytes = sizes[p]
@@ -209,6 +224,10 @@ def packed_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list[in
             fed = residuals.load(call, p, a, b)
             _quantize_fed(call, x[:, a:b], fed, piece_seeds, send)
             residuals.store(p, fed)
+        if riding:
+            check.start()
+            check.finish()
+            break
         if p == 0 and check is not None:
             check.finish()
         recv = recv_all[size * start: size * (start + nbytes)]
@@ -218,8 +237,11 @@ def packed_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list[in
     start = 0
     for p, (a, b) in enumerate(parts):
         nbytes = sizes[p]
-        I.wait(inflight[p], call.kind, f"the all-to-all of {nbytes}-byte payloads", rank)
-        rows = recv_all[size * start: size * (start + nbytes)].view(size, nbytes)
+        if riding:
+            rows = check.received(rank * nbytes, nbytes)
+        else:
+            I.wait(inflight[p], call.kind, f"the all-to-all of {nbytes}-byte payloads", rank)
+            rows = recv_all[size * start: size * (start + nbytes)].view(size, nbytes)
         call.check_received(rows, b - a, dtype, skip=rank)
         dequantize_sum(rows, b - a, dtype, q, own=x[rank, a:b], out=out[a:b], skip=rank,
                        op=name, factor=factor, check=False)
@@ -274,6 +296,13 @@ def _quantize_fed(call: Call, x: torch.Tensor, fed: torch.Tensor, seeds: list[in
 # whole buckets, so pieces quantize exactly as the unsplit chunk would.
 PIECE = 1 << 19
 MIN_PIECES = 4
+
+
+def envelope_body(n: int, q: QuantConfig, rows: int = 1) -> int:
+    """Bytes a flat one-piece call of ``n``-element payloads would carry in its
+    descriptor's envelope (:class:`qcomm.handshake.DescriptorCheck`): ``rows`` payloads
+    (an all-gather 1, a reduce-scatter one slot per rank); 0 for a pipeline of pieces."""
+    return rows * packed_nbytes(n, q) if len(pieces(n, q)) == 1 else 0
 
 
 def pieces(n: int, q) -> list[tuple[int, int]]:
@@ -492,7 +521,8 @@ def gather_into(group, outs: list[torch.Tensor], out_flat: torch.Tensor | None,
         return finish(work, async_op, "all_gather", inner.rank())
 
     def compressed(call: Call) -> tuple[int, int]:
-        check = call.check_descriptors(n, inp.dtype, None, inp.device)
+        body = 0 if call.two_level else envelope_body(n, call.q)
+        check = call.check_descriptors(n, inp.dtype, None, inp.device, body)
         if call.two_level:
             return two_level_all_gather(call, outs, inp, call.seed(call.rank), check=check)
         return call.flat_bytes(peer_bytes(world, packed_all_gather(
@@ -543,9 +573,11 @@ def scatter_from(group, out: torch.Tensor, chunks: list[torch.Tensor],
 
     def compressed(call: Call) -> tuple[int, int]:
         seeds = [call.seed(call.rank * world + j) for j in range(world)]
-        check = call.check_descriptors(n, out.dtype, op, out.device)
+        two_level = call.two_level and residuals is None
+        body = 0 if two_level else envelope_body(n, call.q, world)
+        check = call.check_descriptors(n, out.dtype, op, out.device, body)
         flat_out = out.view(-1)
-        if call.two_level and residuals is None:
+        if two_level:
             return two_level_reduce_scatter(call, chunks, seeds, out=flat_out, op=op,
                                             check=check)
         # error feedback keeps per-peer residuals: one level
@@ -592,7 +624,8 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *, config=None
             padded[:numel].copy_(flat)
         chunks = list(padded.split(chunk))
         seeds = [call.seed(2 * (rank * world + j)) for j in range(world)]
-        check = call.check_descriptors(numel, tensor.dtype, op, tensor.device)
+        body = 0 if call.two_level else envelope_body(chunk, call.q, world)
+        check = call.check_descriptors(numel, tensor.dtype, op, tensor.device, body)
         seed_ag = call.seed(2 * (rank * world + rank) + 1)
         # the reduced chunk in fp32 (op applied), then gathered: padded is scratch (or
         # the tensor itself), written by the gather after every read

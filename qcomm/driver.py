@@ -105,6 +105,9 @@ class GroupState:
         # (numel, dtype, config) whose received headers a CUDA group has checked
         # (handshake.check_received); bounded by handshake.CHECKED_MAX.
         self.checked: set = set()
+        # The bodies of the last calls that passed the descriptor check: every rank's
+        # envelope size follows from them (handshake.Envelope).
+        self.envelope = handshake.Envelope()
         # The members' nodes (qcomm.topology), learned with the config agreement; None
         # until then (and for a group of one rank). subgroups: the two-level plan's.
         self.topology: Topology | None = None
@@ -286,10 +289,13 @@ class Call:
         """A scratch buffer of the group's cache (valid until the call returns)."""
         return self.state.buffers.get(role, numel, dtype, device)
 
-    def check_descriptors(self, numel: int, dtype: torch.dtype, op, device: torch.device):
-        """Start the call's descriptor check (None on CUDA): finish it before sending."""
+    def check_descriptors(self, numel: int, dtype: torch.dtype, op, device: torch.device,
+                          body: int = 0):
+        """Start the call's descriptor check (None on CUDA): finish it before sending.
+        ``body``: the bytes of payloads that may ride in its envelope
+        (:class:`qcomm.handshake.DescriptorCheck`)."""
         return handshake.start_descriptor_check(self.inner, self.state, self.kind, numel,
-                                                dtype, self.q, op, self.index, device)
+                                                dtype, self.q, op, self.index, device, body)
 
     def check_received(self, rows: torch.Tensor, numel: int, dtype: torch.dtype,
                        skip: int | None = None) -> None:

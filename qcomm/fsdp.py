@@ -262,7 +262,8 @@ class DeltaAllGather(_PerModule, _AllGatherBase):
             # reads inp (a view into out) before anything is written; a copy, never
             # the caller's tensor
             delta = ref.subtract_row(call, call.rank, inp.to(torch.float32, copy=True))
-            check = call.check_descriptors(n, delta.dtype, None, inp.device)
+            body = 0 if call.two_level else C.envelope_body(n, call.q)
+            check = call.check_descriptors(n, delta.dtype, None, inp.device, body)
             out_rows = out.view(world, n)
 
             def decode(p: int, a: int, b: int, rows: torch.Tensor) -> None:

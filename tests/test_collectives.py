@@ -159,35 +159,81 @@ class Recorder:
             out, inp, out_splits, in_splits, opts)
 
 
+def _three_calls(pg, rank, world, n):
+    """An all-gather, a reduce-scatter and an all-reduce on ``pg``: their outputs."""
+    out = torch.empty(world * n)
+    qcomm.all_gather_into_tensor(out, make(rank, n), pg)
+    part = torch.empty(n)
+    qcomm.reduce_scatter_tensor(part, make(rank, world * n), ReduceOp.AVG, pg)
+    t = make(rank, 2 * n + 1)
+    qcomm.all_reduce(t, ReduceOp.SUM, pg)
+    return [out, part, t]
+
+
 def _wire_body(rank, world):
-    rec = Recorder(dist.group.WORLD)
+    import qcomm.handshake as H
+
     cfg = CommConfig(all_gather=QuantConfig(bits=4), reduce_scatter=QuantConfig(bits=2),
                      all_reduce=QuantConfig(bits=3))
-    pg = qcomm.QcommProcessGroup(rec, cfg, owns_inner=False)
     n = 5000
-    qcomm.all_gather_into_tensor(torch.empty(world * n), make(rank, n), pg)
-    qcomm.reduce_scatter_tensor(torch.empty(n), make(rank, world * n), ReduceOp.AVG, pg)
-    qcomm.all_reduce(make(rank, 2 * n + 1), ReduceOp.SUM, pg)
     chunk = -(-(2 * n + 1) // world)
-    desc = ("all_gather", DESC_NBYTES)  # each compressed call's descriptor, checked first
-    expected = [
-        ("all_gather", CONFIG_NBYTES),  # a wrapped group's config agreement, once
-        desc, ("all_gather", packed_nbytes(n, cfg.all_gather)),
-        desc, ("all_to_all", world * packed_nbytes(n, cfg.reduce_scatter)),
-        desc, ("all_to_all", world * packed_nbytes(chunk, cfg.all_reduce)),
-        ("all_gather", packed_nbytes(chunk, cfg.all_reduce)),
-    ]
+    ag = packed_nbytes(n, cfg.all_gather)
+    rs = world * packed_nbytes(n, cfg.reduce_scatter)  # a slot per rank
+    ar = world * packed_nbytes(chunk, cfg.all_reduce)
+    rec = Recorder(dist.group.WORLD)
+    pg = qcomm.QcommProcessGroup(rec, cfg, owns_inner=False)
+    got = _three_calls(pg, rank, world, n)
+    # Each compressed call's descriptor goes first, in an envelope whose room is the
+    # largest payload body of the last calls every rank agreed on (none at first).
+    expected = [("all_gather", CONFIG_NBYTES)]  # a wrapped group's config agreement, once
+    room = 0
+    for body, payload in ((ag, ("all_gather", ag)), (rs, ("all_to_all", rs)),
+                          (ar, ("all_to_all", ar))):
+        expected.append(("all_gather", DESC_NBYTES + room))
+        if body > room:  # too big to ride: its own exchange
+            expected.append(payload)
+        room = max(room, body)
+    expected.append(("all_gather", packed_nbytes(chunk, cfg.all_reduce)))  # the AR's gather
     assert rec.sent == expected, (rec.sent, expected)
+    if world == 2:  # the first call rides on nothing; here neither do the next two
+        assert len(expected) == 8
     s = qcomm.stats(pg)
-    assert s["all_gather"].wire_bytes == (world - 1) * packed_nbytes(n, cfg.all_gather)
+    assert s["all_gather"].wire_bytes == (world - 1) * ag
     assert s["all_gather"].control_bytes == (world - 1) * (CONFIG_NBYTES + DESC_NBYTES)
     assert s["all_gather"].logical_bytes == (world - 1) * n * 4
     assert s["reduce_scatter"].ratio > 15  # 2 bits vs 32
+    # The same calls again: every payload now rides with its descriptor, one exchange
+    # a call (the all-reduce's gather follows as before); the bytes counted alike.
+    del rec.sent[:]
+    got += _three_calls(pg, rank, world, n)
+    room = DESC_NBYTES + max(ag, rs, ar)
+    assert rec.sent == [("all_gather", room)] * 3 + [
+        ("all_gather", packed_nbytes(chunk, cfg.all_reduce))], rec.sent
+    s = qcomm.stats(pg)
+    assert s["all_gather"].wire_bytes == 2 * (world - 1) * ag
+    assert s["all_gather"].control_bytes == (world - 1) * (
+        CONFIG_NBYTES + DESC_NBYTES + room - ag)
+    # and they deliver what the two-exchange calls do, bit for bit (a fresh group of
+    # the same config: the same seeds call by call), with the envelope shut
+    rec2 = Recorder(dist.group.WORLD)
+    pg2 = qcomm.QcommProcessGroup(rec2, cfg, owns_inner=False)
+    cap = H.ENVELOPE_ROOM_MAX
+    H.ENVELOPE_ROOM_MAX = 0
+    try:
+        want = _three_calls(pg2, rank, world, n) + _three_calls(pg2, rank, world, n)
+    finally:
+        H.ENVELOPE_ROOM_MAX = cap
+    assert all(op == "all_to_all" or size in (CONFIG_NBYTES, DESC_NBYTES, ag,
+                                               packed_nbytes(chunk, cfg.all_reduce))
+               for op, size in rec2.sent), rec2.sent
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
     return rec.sent
 
 
-def test_wire_bytes_equal_packed_nbytes():
-    run_ranks(_wire_body, 2, backend="gloo")
+@pytest.mark.parametrize("world", [2, 3])
+def test_wire_bytes_equal_packed_nbytes(world):
+    run_ranks(_wire_body, world, backend="gloo")
 
 
 def _misc_body(rank, world):
