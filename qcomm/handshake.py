@@ -180,9 +180,12 @@ def explain(mine: bytes, theirs: bytes, rank: int, peer: int) -> str:
 # switched off in alternating rounds, /tmp probe, 2026-12-03): the descriptor exchange
 # is 35-43% of every small call, 2^10-2^16 elements, all-gather and reduce-scatter
 # (2^10 all-gather 1484 -> 913 us without it).
+# The cap: a 2^16-element 8-bit reduce-scatter on 2 ranks (two 66 080-byte slots) rides.
+# At 72 KiB it did not, and paid the room its all-gathers had set as padding before its
+# own all-to-all: 1.58x the pre-envelope call (small_calls.py, 4 rounds, 2026-12-03).
 ENVELOPE_WINDOW = 8
-ENVELOPE_ROOM_MAX = 72 * 1024  # a 2^16-element 8-bit payload (66 080 bytes) fits
-ENVELOPE_TOTAL_MAX = 288 * 1024  # bytes a rank receives: room x world at most
+ENVELOPE_ROOM_MAX = 136 * 1024
+ENVELOPE_TOTAL_MAX = 272 * 1024  # bytes a rank receives: room x world at most
 
 
 def envelope_cap(world: int) -> int:
