@@ -142,6 +142,7 @@ class Recorder:
     def __init__(self, real):
         self._real = real
         self.sent: list[tuple[str, int]] = []
+        self.bytes: list[torch.Tensor] = []  # what each all-gather sent
 
     def rank(self):
         return self._real.rank()
@@ -151,6 +152,7 @@ class Recorder:
 
     def all_gather_single(self, out, inp, opts):
         self.sent.append(("all_gather", inp.numel() * inp.element_size()))
+        self.bytes.append(inp.detach().clone())
         return _method(self._real, "all_gather_single", "_allgather_base")(out, inp, opts)
 
     def all_to_all_single(self, out, inp, out_splits, in_splits, opts):
@@ -228,6 +230,15 @@ def _wire_body(rank, world):
                for op, size in rec2.sent), rec2.sent
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    # the envelope byte for byte: the descriptor, then the payload the two-exchange
+    # call sent on its own, then zeros (round 2's all-gather, the same call index)
+    envelope = rec.bytes[-4]
+    desc, payload = rec2.bytes[-5], rec2.bytes[-4]
+    assert envelope.numel() == room and desc.numel() == DESC_NBYTES
+    assert payload.numel() == ag
+    assert torch.equal(envelope[:DESC_NBYTES], desc)
+    assert torch.equal(envelope[DESC_NBYTES:DESC_NBYTES + ag], payload)
+    assert not envelope[DESC_NBYTES + ag:].any()
     return rec.sent
 
 
