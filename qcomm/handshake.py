@@ -176,10 +176,10 @@ def explain(mine: bytes, theirs: bytes, rank: int, peer: int) -> str:
 # training step's modules) ride from their second call; the first call of a group
 # sends the bare descriptor. A call that does not fit sends at most the cap in padding
 # (hidden behind its first quantize, as the descriptor was).
-# Measured (2 ranks, loopback, one core each, 8 bits, median of 180 calls, the check
-# switched off in alternating rounds, /tmp probe, 2026-12-03): the descriptor exchange
-# is 35-43% of every small call, 2^10-2^16 elements, all-gather and reduce-scatter
-# (2^10 all-gather 1484 -> 913 us without it).
+# Measured (`python bench/experiments/envelope_toggle.py 8`, baa06fe, 2 ranks on
+# loopback, 8 bits; bench/results/cpu-amd-epyc-2c-avx512/envelope-toggle.txt): the
+# separate descriptor exchange is 32-54% of a small call, 2^10-2^16 elements, all-gather
+# and reduce-scatter (2^10 all-gather 1773 us with it, 1141 unchecked).
 # The cap: a 2^16-element 8-bit reduce-scatter on 2 ranks (two 66 080-byte slots) rides.
 # At 72 KiB it did not, and paid the room its all-gathers had set as padding before its
 # own all-to-all: 1.58x the pre-envelope call (small_calls.py, 4 rounds, 2026-12-03).
