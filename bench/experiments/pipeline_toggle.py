@@ -4,11 +4,15 @@ behind a shaped link (``bench.link``): the figures in ``qcomm/cpu/dequantize.py`
 
     python bench/experiments/pipeline_toggle.py split [RATE] [LOG2N]   # default 1gbit 22
     python bench/experiments/pipeline_toggle.py pieces [RATE] [ag|rs]
+    python bench/experiments/pipeline_toggle.py count [RATE] [ag|rs] [LOG2N]  # 22
 
 ``split``: the all-gather at 2/4/8 bits with strided decode rows split per row
 (STRIDED_ROWS_SPLIT = 2^18) and not (2^62), 12 rounds. ``pieces``: all-gather or
 reduce-scatter at 2^22 and 2^24 elements a rank with pieces of 2^19, 2^20 and 2^21
-elements (``PIECE`` set and ``MIN_PIECES`` = 1, so the piece is that size), 10 rounds.
+elements at 8 bits (``PIECE`` set and ``MIN_PIECES`` = 1; 4 and 2 bits scale it by 2
+and 4 up to the tensor, :func:`qcomm.collectives.pieces`), 10 rounds. ``count``: 2^LOG2N
+elements a rank cut into 1, 2, 4, 8 and 16 pieces at every width (``PIECE`` = n / k,
+``MIN_PIECES`` = k), 10 rounds.
 RATE "loopback" runs without a link. Rank 0 prints medians (ms). Run from the repository
 root.
 """
@@ -37,7 +41,14 @@ def rank_main(mode: str, arg: str) -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    logns = [int(arg)] if mode == "split" else [22, 24]
+    what = "ag"
+    if mode == "count":
+        arg, logn = arg.split(":")
+        logns = [int(logn)]
+    else:
+        logns = [int(arg)] if mode == "split" else [22, 24]
+    if mode != "split" and arg == "rs":
+        what = "rs"
     for logn in logns:
         n = 1 << logn
         x, out = torch.randn(n), torch.empty(world * n)
@@ -45,7 +56,7 @@ def rank_main(mode: str, arg: str) -> None:
         groups = {b: qcomm.wrap(dist.group.WORLD, qcomm.CommConfig(
             all_gather=QuantConfig(bits=b), reduce_scatter=QuantConfig(bits=b),
             topology="flat")) for b in (2, 4, 8)}
-        if mode == "pieces" and arg == "rs":
+        if what == "rs":
             def fn(g, o=part, i=big):
                 dist.reduce_scatter_tensor(o, i, group=g)
         else:
@@ -55,14 +66,19 @@ def rank_main(mode: str, arg: str) -> None:
             settings = {"rows graph": ("STRIDED_ROWS_SPLIT", 1 << 62),
                         "split": ("STRIDED_ROWS_SPLIT", 1 << 18)}
             rounds = 12
+        elif mode == "count":
+            settings = {f"{k} pieces": (("PIECE", n // k), ("MIN_PIECES", k))
+                        for k in (1, 2, 4, 8, 16)}
+            rounds = 10
         else:
             settings = {f"piece 2^{k}": ("PIECE", 1 << k) for k in (19, 20, 21)}
             C.MIN_PIECES = 1
             rounds = 10
 
         def use(name, settings=settings):
-            attr, value = settings[name]
-            setattr(D if attr == "STRIDED_ROWS_SPLIT" else C, attr, value)
+            pairs = settings[name]
+            for attr, value in pairs if isinstance(pairs[0], tuple) else (pairs,):
+                setattr(D if attr == "STRIDED_ROWS_SPLIT" else C, attr, value)
 
         for name in settings:  # warm up every setting
             use(name)
@@ -78,7 +94,6 @@ def rank_main(mode: str, arg: str) -> None:
                     fn(g)
                     res.setdefault((b, name), []).append(time.perf_counter() - t)
         if rank == 0:
-            what = "rs" if mode == "pieces" and arg == "rs" else "ag"
             for b in groups:
                 print(f"{what} 2^{logn} {b} bits: " + "  ".join(
                     f"{name} {st.median(res[(b, name)]) * 1e3:.1f} ms" for name in settings),
@@ -93,6 +108,8 @@ def main(argv: list[str]) -> int:
     mode = argv[0]
     rate = argv[1] if len(argv) > 1 else "1gbit"
     arg = argv[2] if len(argv) > 2 else ("22" if mode == "split" else "ag")
+    if mode == "count":
+        arg += ":" + (argv[3] if len(argv) > 3 else "22")
     cmd = [__file__, "--rank", mode, arg]
     env = {"PYTHONPATH": str(ROOT)}
     run_on(rate, cmd, env=env)
