@@ -7,6 +7,7 @@
     python -m bench train                       # FSDP2 training, exact vs quantized
     python -m bench overlap --link 100mbit      # async collectives behind compute
     python -m bench memory                      # peak RSS: FSDP2 vs qcomm.fsdp's state
+    python -m bench launches                    # codec calls and launches per collective
 
 Nodes (qcomm's topology): every self-launched rank is told its node (QCOMM_NODE);
 without --nodes each loopback rank is a node of its own and each --link namespace one.
@@ -25,7 +26,7 @@ import sys
 
 import torch
 
-from . import codec, collectives, common, memory, overlap, rows, train
+from . import codec, collectives, common, launches, memory, overlap, rows, train
 
 
 def parser() -> argparse.ArgumentParser:
@@ -34,7 +35,8 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     for name, module in (("codec", codec), ("rows", rows), ("collectives", collectives),
-                         ("overlap", overlap), ("train", train), ("memory", memory)):
+                         ("overlap", overlap), ("train", train), ("memory", memory),
+                         ("launches", launches)):
         summary = " ".join(module.__doc__.split("\n\n")[0].split()).split(": ", 1)[-1]
         q = sub.add_parser(name, help=summary,
                            description=module.__doc__,

@@ -12,10 +12,13 @@
 #   2. the "qcomm" backend on CUDA tensors == on CPU tensors, bit for bit (bench.crossdevice);
 #      2b. torch's contracts on CUDA: device_id binding, native NCCL AVG/PREMUL_SUM,
 #      functional ops, async calls across streams (bench.cuda_contracts);
+#      2c. codec calls, kernel launches and time per compressed call against the exact
+#      one, W = 1 over NCCL and W = 2 over gloo on CUDA tensors (bench launches);
 #   3. codec throughput: Triton and torch.compile of the reference next to a same-run copy
 #      (fp32, every scheme, 2/4/8 bits), then Triton alone for bf16/fp16;
 #      3c. a collective's codec per piece, one launch for all payloads (the row kernels)
-#      against one per payload, W = 2, 8, 16 (bench rows), and qcomm.fsdp's fused state
+#      against one per payload, W = 2, 8, 16, and against a same-run copy of the bytes
+#      they move (bench rows), and qcomm.fsdp's fused state
 #      update against the three launches it replaces (bench rows --ops delta-update);
 #      3d. peak torch.cuda.max_memory_allocated of FSDP2 training, plain against
 #      qcomm.fsdp's state (bench memory --device cuda, world 1 on NCCL);
@@ -23,7 +26,7 @@
 # Results and logs go to $OUT/results.tgz (re-packed after every phase) and $OUT/log.txt.
 #
 # The phases' time limits add up to ~15 minutes, and one device command runs at most 10:
-# PART=1 runs phases 1-2b (~5.5 minutes at most), PART=2 phases 3-4 (~9.5), each packing
+# PART=1 runs phases 1-2c (~6.7 minutes at most), PART=2 phases 3-4 (~9.5), each packing
 # its results as it goes; run them as two calls back to back (the machine stays warm).
 #
 # QUICK=1 runs a 3-minute subset (a second look within the same lease): the kernel tests,
@@ -90,6 +93,13 @@ log "phase 2b: torch's contracts on CUDA (device_id, NCCL ops, functional ops, s
 timeout 90 $PY -m bench.cuda_contracts > "$R/cuda_contracts.log" 2>&1
 echo "exit $?" >> "$R/cuda_contracts.log"
 grep -v "^\s*return func\|FutureWarning" "$R/cuda_contracts.log" | tail -n 12
+pack
+
+log "phase 2c: codec calls, launches and time per call, W = 1 NCCL and W = 2 gloo (CUDA)"
+timeout 80 $PY -m bench launches --device cuda --worlds 1,2 --sizes 10..22:4 --iters 10 \
+  --no-plot --out "$R/launches" > "$R/launches.log" 2>&1
+echo "exit $?" >> "$R/launches.log"
+grep -v "^\s*return func\|FutureWarning" "$R/launches.log" | tail -n 30
 pack
 
 fi

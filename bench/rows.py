@@ -20,7 +20,9 @@ buckets of 1024 unless told otherwise):
   one ``update_state_rows``.
 
 ``calls``: codec calls of each way; ``pieces``: the torch path's graph or loop calls
-inside them (on CPU), read from the path's counter. The per-payload way is what the
+inside them (on CPU), read from the path's counter. ``rows GB/s``: the bytes the rows
+way reads and writes (:func:`moved_bytes`) over its time; ``rows/copy``: that over a
+same-run ``copy_`` of as many bytes (half read, half written), the bandwidth ceiling. The per-payload way is what the
 collectives ran before the row calls (commit 91d1fec); "loop" below names it, and the
 three calls of ``delta-update``; "rows" the one call.
 """
@@ -123,6 +125,21 @@ def _ways(op: str, q: QuantConfig, W: int, n: int, device):
                                                      check=False)
 
 
+def moved_bytes(op: str, q: QuantConfig, W: int, n: int) -> int:
+    """Bytes the rows way reads and writes (fp32 values, payloads of ``q``): what a
+    same-run copy of as many bytes (half read, half written) is the ceiling of."""
+    nb = qcomm.packed_nbytes(n, q)
+    if op == "ag-decode":  # W payloads in, W rows out
+        return W * (nb + 4 * n)
+    if op == "rs-encode":  # W - 1 rows in, W - 1 payloads out
+        return (W - 1) * (4 * n + nb)
+    if op == "rs-decode":  # W - 1 payloads and the own row in, one row out
+        return (W - 1) * nb + 8 * n
+    from qcomm.fsdp import DEFAULT_STATE as S  # delta-update: state and deltas in,
+    ns = qcomm.packed_nbytes(n, S)             # rows and state out
+    return W * (2 * ns + nb + 4 * n)
+
+
 def _counted(fn) -> tuple[int, int]:
     from qcomm import codec
 
@@ -138,6 +155,7 @@ def run(args) -> list[dict]:
     timeit = lambda fn: common.measure(fn, iters=args.iters, budget_s=args.budget,  # noqa: E731
                                        sync=common.sync_fn(device), cuda=device.type == "cuda")
     rows = []
+    copies: dict[int, float] = {}  # bytes moved -> seconds of a same-run copy
     for op in args.ops:
         for W in args.worlds:
             for n in args.sizes:
@@ -149,6 +167,14 @@ def run(args) -> list[dict]:
                 row["loop_us"] = timeit(loop) * 1e6
                 row["rows_us"] = timeit(batched) * 1e6
                 row["speedup"] = row["loop_us"] / row["rows_us"]
+                moved = row["bytes"] = moved_bytes(op, q, W, n)
+                if moved not in copies:
+                    src = torch.empty(moved // 2, dtype=torch.uint8, device=device)
+                    dst = torch.empty_like(src)
+                    copies[moved] = timeit(lambda d=dst, s=src: d.copy_(s))
+                row["rows_gbps"] = common.gbps(moved, row["rows_us"] / 1e6)
+                row["copy_gbps"] = common.gbps(moved, copies[moved])
+                row["rows_frac"] = row["rows_gbps"] / row["copy_gbps"]
                 rows.append(row)
                 print(f"# {op} W={W} n={n}: {row['loop_us']:.0f} -> {row['rows_us']:.0f} us",
                       file=sys.stderr, flush=True)
@@ -160,7 +186,9 @@ def columns() -> list[Column]:
             Column("loop_calls", "calls per payload"), Column("rows_calls", "calls rows"),
             Column("loop_pieces", "pieces per payload"), Column("rows_pieces", "pieces rows"),
             Column("loop_us", "per payload us", "{:.1f}"), Column("rows_us", "rows us", "{:.1f}"),
-            Column("speedup", "speedup", "{:.2f}x")]
+            Column("speedup", "speedup", "{:.2f}x"), Column("bytes", "bytes moved"),
+            Column("rows_gbps", "rows GB/s", "{:.2f}"), Column("copy_gbps", "copy GB/s", "{:.2f}"),
+            Column("rows_frac", "rows/copy", "{:.2f}")]
 
 
 def main(args) -> int:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import qcomm
-from bench import collectives, common, link, train
+from bench import collectives, common, launches, link, train
 from bench import rows as rows_bench
 from bench.__main__ import main, parser
 
@@ -98,8 +98,34 @@ def test_rows(tmp_path):
         loop = {"ag-decode": r["world"], "rs-encode": r["world"] - 1, "rs-decode": r["world"] - 1,
                 "delta-update": 3}[r["op"]]
         assert (r["loop_calls"], r["rows_calls"]) == (loop, 1), r
+        assert r["rows_gbps"] > 0 and r["copy_gbps"] > 0
+        assert r["rows_frac"] == pytest.approx(r["rows_gbps"] / r["copy_gbps"])
+    # the bytes each op reads and writes: a 4-bit payload of 1000 elements is a 32-byte
+    # header, one bucket's [min, step] (8 bytes) and 500 code bytes, padded to 544
+    assert qcomm.packed_nbytes(1000, qcomm.QuantConfig(bits=4)) == 544
+    got = {r["op"]: r["bytes"] for r in rows if r["world"] == 4}
+    assert got["ag-decode"] == 4 * (544 + 4000)
+    assert got["rs-encode"] == 3 * (4000 + 544)
+    assert got["rs-decode"] == 3 * 544 + 8000
     with pytest.raises(SystemExit):
         main(["rows", "--ops", "ag-decode,bogus"])
+
+
+def test_launches(tmp_path):
+    """Codec calls per collective: none at W = 1 (no peer: exact) and for the exact
+    calls; at W = 2 one piece's quantize and decode (all-gather, reduce-scatter), both
+    for the all-reduce; and the torch path's launches behind them. (3000 elements:
+    above CommConfig.min_numel, 1024, so compressed.)"""
+    assert main(["launches", "--worlds", "1,2", "--sizes", "3000", "--iters", "1",
+                 "--out", str(tmp_path), "--no-plot"]) == 0
+    _, rows = _load(tmp_path / "launches.json")
+    assert len(rows) == 2 * 3 * 2  # worlds x collectives x variants
+    want = {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 4}
+    for r in rows:
+        compressed = r["world"] == 2 and r["variant"] == "qcomm8"
+        assert r["codec"] == (want[r["collective"]] if compressed else 0), r
+        assert (r["launches"] >= r["codec"] > 0) if compressed else r["launches"] == 0, r
+        assert r["time_us"] > 0 and r["vs_exact"] > 0
 
 
 def test_codec(tmp_path, capsys):
@@ -410,3 +436,5 @@ def test_weight_error_shows_bucket_straddling():
 def test_memory_bench_on_cuda_without_a_gpu_says_so():
     with pytest.raises(SystemExit, match="--device cuda: torch sees no CUDA device"):
         main(["memory", "--device", "cuda", "--layers", "1", "--width", "64"])
+    with pytest.raises(SystemExit, match="--device cuda: torch sees no CUDA device"):
+        main(["launches", "--device", "cuda"])
