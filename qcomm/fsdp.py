@@ -283,7 +283,7 @@ class DeltaAllGather(_PerModule, _AllGatherBase):
                 ref.store(p, acc)
 
             gather = C.two_level_all_gather if call.two_level else C.packed_all_gather
-            sent = gather(call, list(out_rows), delta, call.seed(call.rank), check=check,
+            sent = gather(call, out_rows, delta, call.seed(call.rank), check=check,
                           decode=decode)
             return sent if call.two_level else call.flat_bytes(driver.peer_bytes(world, sent))
 
@@ -311,7 +311,7 @@ class ErrorFeedbackReduceScatter(_PerModule, _ReduceScatterBase):
         out, inp, group, world = C.check_flat_pair("ErrorFeedbackReduceScatter",
                                                    output_tensor, input_tensor, group,
                                                    gathered=False)
-        chunks = list(inp.reshape(-1).chunk(world)) if out.numel() else []
+        chunks = inp.view(world, out.numel()) if out.numel() else []
 
         def residuals(world: int, n: int, dtype: torch.dtype, device: torch.device,
                       parts: list[tuple[int, int]]) -> PieceState:
