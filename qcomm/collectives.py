@@ -344,8 +344,7 @@ def two_level_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list
     n, dtype, device = chunks[0].numel(), chunks[0].dtype, chunks[0].device
     rows = rows_of(chunks)
     flat = None if rows is not None else [c.reshape(-1) for c in chunks]
-    # block l of the send buffer: the chunks local rank l sums, node by node
-    layout = tuple(topo.members[k][local] for local in range(per_node) for k in range(nodes))
+    layout = topo.local_major  # block l of the send buffer: what local rank l sums
     parts = pieces(n, call.q)
     width = parts[0][1] - parts[0][0]
     sub = call.on(inter, topo.node, nodes)
@@ -355,12 +354,12 @@ def two_level_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list
         a, b = parts[p]
         send = call.buffer(f"rs2_send{p % 2}", per_node * nodes * width, dtype, device)
         send = send[: per_node * nodes * (b - a)].view(per_node, nodes, b - a)
+        blocks = send.view(per_node * nodes, b - a)
         if rows is not None:  # one gather of the rows, whatever the world size
-            torch.index_select(rows[:, a:b], 0, _index(layout, device),
-                               out=send.view(per_node * nodes, b - a))
+            torch.index_select(rows[:, a:b], 0, _index(layout, device), out=blocks)
         else:
             for i, g in enumerate(layout):
-                send.view(per_node * nodes, b - a)[i].copy_(flat[g][a:b])
+                blocks[i].copy_(flat[g][a:b])
         recv = call.buffer(f"rs2_recv{p % 2}", per_node * nodes * width, dtype, device)
         recv = recv[: per_node * nodes * (b - a)]
         work = I.start(I.all_to_all, call.kind, "the exact all-to-all inside the node",
@@ -412,10 +411,10 @@ def two_level_all_gather(call: Call, outs, inp: torch.Tensor, seed: int,
     flat_in = inp.reshape(-1)
     out_rows = rows_of(outs)
     flat_out = None if out_rows is not None else [o.view(-1) for o in outs]
-    # received row local * nodes + k holds group rank members[k][local]'s payload
-    where = {topo.members[k][local]: local * nodes + k
-             for local in range(per_node) for k in range(nodes)}
-    order = tuple(where[g] for g in range(nodes * per_node))
+    # received rows come in topo.local_major order: group rank g's payload is row
+    # local_of[g] * nodes + node_of[g]
+    order = tuple(topo.local_of[g] * nodes + topo.node_of[g]
+                  for g in range(nodes * per_node))
     parts = pieces(n, q)
     sizes = [packed_nbytes(b - a, q) for a, b in parts]
     starts = [sum(sizes[:p]) for p in range(len(parts))]

@@ -80,6 +80,14 @@ class Topology:
         sizes = {len(m) for m in self.members}
         return sizes.pop() if len(sizes) == 1 else None
 
+    @property
+    def local_major(self) -> tuple[int, ...]:
+        """The group ranks by (local index, node): the row order of the two-level
+        exchanges (block l: the ranks of local index l, node by node); rank g sits at
+        ``local_of[g] * nodes + node_of[g]``. Needs equal nodes (``per_node``)."""
+        return tuple(self.members[k][local] for local in range(self.per_node)
+                     for k in range(self.nodes))
+
     def intra_ranks(self) -> tuple[int, ...]:
         """The group ranks on this rank's node, by local index."""
         return self.members[self.node]

@@ -247,3 +247,16 @@ def test_purpose_names_the_caller():
         assert not purpose.may_compress(state)
     assert purpose.may_compress(state)
 
+
+
+def test_local_major_order_literal():
+    """Ranks "a,b,b,a": nodes a = (0, 3), b = (1, 2). The two-level exchanges' rows go
+    by (local index, node): 0 (a, local 0), 1 (b, 0), 3 (a, 1), 2 (b, 1); rank g sits at
+    local_of[g] * nodes + node_of[g]."""
+    from qcomm.topology import Topology
+
+    topo = Topology(keys=("a", "b", "b", "a"), rank=2)
+    assert topo.members == ((0, 3), (1, 2))
+    assert topo.local_major == (0, 1, 3, 2)
+    assert [topo.local_major.index(g) for g in range(4)] == [
+        topo.local_of[g] * topo.nodes + topo.node_of[g] for g in range(4)] == [0, 1, 3, 2]
