@@ -33,7 +33,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -41,7 +40,7 @@ import torch
 
 from . import common
 from .common import Column
-from .link import pin_this_rank, run_ranks
+from .link import pin_this_rank, run_spec, worker_done
 from .memory import cuda_backend
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
@@ -111,7 +110,7 @@ def _point(fn, device: torch.device, iters: int, sync, dist, codec) -> dict:
 
 
 def worker(spec: dict) -> None:
-    """Every point on this rank; rank r writes its rows to ``spec["result"] + r``."""
+    """Every point on this rank; its rows go back through :func:`worker_done`."""
     import torch.distributed as dist
 
     import qcomm
@@ -158,15 +157,7 @@ def worker(spec: dict) -> None:
                     # (every rank raises alike: the op is refused before any exchange)
                     row["error"] = str(e).splitlines()[0][:200]
                 rows.append(row)
-    Path(spec["result"] + str(rank)).write_text(json.dumps(rows))
-    dist.destroy_process_group()
-    # as bench.collectives: leave without the interpreter's teardown, where a C++ thread
-    # of torch's still joinable at exit aborts a rank now and then ("terminate called
-    # without an active exception", exit -6; seen once here, after the results were
-    # written)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    worker_done(spec, rank, rows)
 
 
 def columns(device: str) -> list[Column]:
@@ -190,19 +181,10 @@ def main(args) -> int:
     print(common.format_header(header), flush=True)
     rows = []
     for world in args.worlds:
-        with tempfile.TemporaryDirectory(prefix="qcomm-launches-") as tmp:
-            spec = {"device": args.device, "sizes": args.sizes, "bits": args.bits,
-                    "collectives": args.collectives, "iters": args.iters,
-                    "result": str(Path(tmp) / "rank")}
-            spec_path = Path(tmp) / "spec.json"
-            spec_path.write_text(json.dumps(spec))
-            env = {"PYTHONPATH": os.pathsep.join(filter(None, [
-                str(common.ROOT), os.environ.get("PYTHONPATH")]))}
-            run_ranks(["-m", "bench.launches", "--worker", str(spec_path)], world,
-                      timeout_s=args.timeout, env=env)
-            # every rank's launches, the slowest rank's time (already the max)
-            ranks = [json.loads(Path(spec["result"] + str(r)).read_text())
-                     for r in range(world)]
+        spec = {"device": args.device, "sizes": args.sizes, "bits": args.bits,
+                "collectives": args.collectives, "iters": args.iters}
+        # every rank's launches, the slowest rank's time (already the max)
+        ranks = run_spec("bench.launches", spec, world, timeout_s=args.timeout)
         for i, row in enumerate(ranks[0]):
             for key in ("codec", "launches", "kernels", "memcpy", "memset"):
                 if "error" not in row:

@@ -371,6 +371,41 @@ def run_on(rate: str, argv: list[str], world: int = 2, *, timeout_s: float = 600
         run_ranks(argv, world, link=link, timeout_s=timeout_s, env=env)
 
 
+def run_spec(module: str, spec: dict, world: int, *, timeout_s: float,
+             env: dict | None = None) -> list:
+    """Run ``python -m module --worker SPEC`` as ``world`` ranks on loopback, ``spec``
+    (a dict, JSON) handed over in a file with ``spec["result"]`` set, the repository
+    on their path; returns each rank's result, what it gave :func:`worker_done`."""
+    import json
+
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(env or {})
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory(prefix="qcomm-ranks-") as tmp:
+        spec = {**spec, "result": str(Path(tmp) / "rank")}
+        path = Path(tmp) / "spec.json"
+        path.write_text(json.dumps(spec))
+        run_ranks(["-m", module, "--worker", str(path)], world, timeout_s=timeout_s, env=env)
+        return [json.loads(Path(spec["result"] + str(r)).read_text()) for r in range(world)]
+
+
+def worker_done(spec: dict, rank: int, result) -> None:
+    """In a :func:`run_spec` rank: write ``result``, leave the process group and the
+    process, without the interpreter's teardown: there a C++ thread of torch's still
+    joinable at exit aborts a rank now and then ("terminate called without an active
+    exception", exit -6), after everything has completed (bench collectives: about one
+    2-rank --link run in six before; bench launches: once in a clean-clone suite)."""
+    import json
+
+    import torch.distributed as dist
+
+    Path(spec["result"] + str(rank)).write_text(json.dumps(result))
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def pin_this_rank() -> None:
     """In a rank: keep to the cores :func:`run_ranks` gave it (a host of its own)."""
     import torch

@@ -40,14 +40,13 @@ import json
 import os
 import resource
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from . import common
 from .common import Column
-from .link import pin_this_rank, run_ranks
+from .link import pin_this_rank, run_spec, worker_done
 
 MMAP_THRESHOLD = 128 * 1024  # bytes: larger blocks are mapped, and unmapped when freed
 VARIANTS = ("fsdp2", "w4g4-wn-wb128", "w4g4-wd-wn-wb128-ws32", "w4g4-wd-wn-wb128-wsd",
@@ -88,7 +87,7 @@ def cuda_backend(world: int) -> str:
 
 
 def worker(spec: dict) -> None:
-    """One variant on this rank; rank r writes its row to ``spec["result"] + r``."""
+    """One variant on this rank; its row goes back through :func:`worker_done`."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -148,8 +147,7 @@ def worker(spec: dict) -> None:
                    peak_rss=torch.cuda.max_memory_allocated(device),
                    rss_after=torch.cuda.memory_allocated(device),
                    reserved_peak=torch.cuda.max_memory_reserved(device))
-    Path(spec["result"] + str(rank)).write_text(json.dumps(row))
-    dist.destroy_process_group()
+    worker_done(spec, rank, row)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -161,19 +159,11 @@ def run_variant(args, name: str) -> dict:
     env = {} if name == "fsdp2" else parse_variant(name)
     if args.device == "cuda" and name != "fsdp2" and cuda_backend(args.world) == "gloo":
         env["QCOMM_INNER"] = "gloo"
-    with tempfile.TemporaryDirectory(prefix="qcomm-memory-") as tmp:
-        spec = {"name": name, "device": args.device, "layers": args.layers,
-                "width": args.width, "batch": args.batch, "steps": args.steps,
-                "param_dtype": args.param_dtype, "result": str(Path(tmp) / "rank")}
-        spec_path = Path(tmp) / "spec.json"
-        spec_path.write_text(json.dumps(spec))
-        env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(common.ROOT),
-                                                          os.environ.get("PYTHONPATH")]))
-        run_ranks(["-m", "bench.memory", "--worker", str(spec_path)], args.world,
-                  timeout_s=args.timeout, env=env)
-        ranks = [json.loads(Path(spec["result"] + str(r)).read_text())
-                 for r in range(args.world)]
+    spec = {"name": name, "device": args.device, "layers": args.layers,
+            "width": args.width, "batch": args.batch, "steps": args.steps,
+            "param_dtype": args.param_dtype}
+    env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
+    ranks = run_spec("bench.memory", spec, args.world, timeout_s=args.timeout, env=env)
     top = max(ranks, key=lambda r: r["peak_rss"])
     return {"variant": name, "params": top["params"], "peak": top["peak_rss"],
             "rss_after": max(r["rss_after"] for r in ranks),

@@ -22,9 +22,9 @@ buckets of 1024 unless told otherwise):
 ``calls``: codec calls of each way; ``pieces``: the torch path's graph or loop calls
 inside them (on CPU), read from the path's counter. ``rows GB/s``: the bytes the rows
 way reads and writes (:func:`moved_bytes`) over its time; ``rows/copy``: that over a
-same-run ``copy_`` of as many bytes (half read, half written), the bandwidth ceiling. The per-payload way is what the
-collectives ran before the row calls (commit 91d1fec); "loop" below names it, and the
-three calls of ``delta-update``; "rows" the one call.
+same-run ``copy_`` of as many bytes (half read, half written), the bandwidth ceiling.
+The per-payload way is what the collectives ran before the row calls (commit 91d1fec);
+"loop" below names it, and the three calls of ``delta-update``; "rows" the one call.
 """
 
 from __future__ import annotations
