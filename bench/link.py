@@ -129,15 +129,22 @@ def _burst(bits_per_s: int) -> int:
     return max(TBF_MIN_BURST, int(bits_per_s / 8 * TBF_BURST_S))
 
 
+UNSHAPED = "unshaped"  # two hosts with no tc shaping: what counting bytes needs
+
+
 class ShapedLink:
-    """Two namespaces joined by a veth pair shaped to ``rate`` each way (a context manager)."""
+    """Two namespaces joined by a veth pair shaped to ``rate`` each way (a context
+    manager); ``rate`` :data:`UNSHAPED`: the same hosts, the link at the veth's speed."""
 
     def __init__(self, rate: str):
-        parsed = parse_rate(rate)
-        if parsed is None:
-            raise ValueError("ShapedLink needs a rate; run on loopback without one")
-        self.rate, self.bits_per_s = parsed
-        self.burst_bytes = _burst(self.bits_per_s)
+        if rate == UNSHAPED:
+            self.rate, self.bits_per_s, self.burst_bytes = None, None, None
+        else:
+            parsed = parse_rate(rate)
+            if parsed is None:
+                raise ValueError("ShapedLink needs a rate; run on loopback without one")
+            self.rate, self.bits_per_s = parsed
+            self.burst_bytes = _burst(self.bits_per_s)
         tag = f"qcb{os.getpid()}"
         self.hosts = (Host(f"{tag}a", "qva", ADDRS[0], f"{tag}a"),
                       Host(f"{tag}b", "qvb", ADDRS[1], f"{tag}b"))
@@ -173,6 +180,8 @@ class ShapedLink:
             _ip("-n", host.netns, "addr", "add", f"{host.addr}/24", "dev", host.ifname)
             _ip("-n", host.netns, "link", "set", host.ifname, "up")
             _ip("-n", host.netns, "link", "set", "lo", "up")
+            if self.rate is None:
+                continue
             _tc(host.netns, "qdisc", "add", "dev", host.ifname, "root", "tbf",
                 "rate", self.rate, "burst", str(self.burst_bytes), "latency", TBF_LATENCY)
 

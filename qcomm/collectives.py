@@ -62,7 +62,7 @@ from torch.distributed import ReduceOp
 from . import inner as I
 from .codec import dequantize_rows, dequantize_sum, quantize, quantize_rows
 from .config import QuantConfig
-from .driver import Call, exact_reduce, finish, op_type, peer_bytes, premul_factor, run
+from .driver import Call, exact_reduce, finish, inner_of, op_type, peer_bytes, premul_factor, run
 from .layout import packed_nbytes
 
 _RedOpType = ReduceOp.RedOpType
@@ -151,9 +151,9 @@ def packed_all_gather(call: Call, outs, inp: torch.Tensor, seed: int, *,
     sizes = [packed_nbytes(b - a, q) for a, b in parts]
     total = sum(sizes)
     riding = check is not None and check.rides  # one piece, in the descriptor's envelope
-    if riding:
-        quantize(flat_in, q, seed=seed, out=check.payload())
-        check.start()
+    if riding:  # every peer's row of the envelope: this payload
+        quantize(flat_in, q, seed=seed, out=check.payloads()[0])
+        check.start(same_for_all=True)
         check.finish()
     else:
         send = call.buffer("ag_send", total, torch.uint8, inp.device)
@@ -221,15 +221,16 @@ def packed_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list[in
     sizes = [packed_nbytes(b - a, q) for a, b in parts]
     total = sum(sizes)
     riding = check is not None and check.rides  # one piece, in the descriptor's envelope
-    if riding:  # slot j of every envelope: the payload for rank j (this rank's unused)
-        send_all = check.payload()
-    else:
+    if not riding:
         send_all = call.buffer("rs_send", size * total, torch.uint8, device)
         recv_all = call.buffer("rs_recv", size * total, torch.uint8, device)
     inflight, start = [], 0
     for p, (a, b) in enumerate(parts):
         nbytes = sizes[p]
-        send = send_all[size * start: size * (start + nbytes)].view(size, nbytes)
+        if riding:  # row j of the envelope goes to rank j (this rank's stays local)
+            send = check.payloads()
+        else:
+            send = send_all[size * start: size * (start + nbytes)].view(size, nbytes)
         piece_seeds = [s ^ (p << 56) for s in seeds]
         if residuals is None:
             # the own chunk stays exact; its slot only travels to itself
@@ -252,7 +253,7 @@ def packed_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list[in
     for p, (a, b) in enumerate(parts):
         nbytes = sizes[p]
         if riding:
-            rows = check.received(rank * nbytes, nbytes)
+            rows = check.received(0, nbytes)
         else:
             I.wait(inflight[p], call.kind, f"the all-to-all of {nbytes}-byte payloads", rank)
             rows = recv_all[size * start: size * (start + nbytes)].view(size, nbytes)
@@ -312,11 +313,11 @@ PIECE = 1 << 19
 MIN_PIECES = 4
 
 
-def envelope_body(n: int, q: QuantConfig, rows: int = 1) -> int:
-    """Bytes a flat one-piece call of ``n``-element payloads would carry in its
-    descriptor's envelope (:class:`qcomm.handshake.DescriptorCheck`): ``rows`` payloads
-    (an all-gather 1, a reduce-scatter one slot per rank); 0 for a pipeline of pieces."""
-    return rows * packed_nbytes(n, q) if len(pieces(n, q)) == 1 else 0
+def envelope_body(n: int, q: QuantConfig) -> int:
+    """Bytes a flat one-piece call of ``n``-element payloads would carry to each peer in
+    its descriptor's envelope (:mod:`qcomm.envelope`): one payload; 0 for a pipeline of
+    pieces, which never rides."""
+    return packed_nbytes(n, q) if len(pieces(n, q)) == 1 else 0
 
 
 def pieces(n: int, q) -> list[tuple[int, int]]:
@@ -535,7 +536,7 @@ def gather_into(group, outs: list[torch.Tensor], out_flat: torch.Tensor | None,
     world, n = group.size(), inp.numel()
 
     def run_exact():
-        inner = I.inner_group(group)
+        inner = inner_of(group)
         work = exact() if exact is not None else I.all_gather(inner, out_flat, inp)
         return finish(work, async_op, "all_gather", inner.rank())
 
@@ -577,7 +578,7 @@ def scatter_from(group, out: torch.Tensor, chunks: list[torch.Tensor],
     world, n = group.size(), out.numel()
 
     def run_exact():
-        inner = I.inner_group(group)
+        inner = inner_of(group)
         send_op, factor, avg = exact_reduce(op, out, inner)
         parts, flat = chunks, inp_flat
         if factor is not None:  # scaled copies: the inputs are never written
@@ -593,7 +594,7 @@ def scatter_from(group, out: torch.Tensor, chunks: list[torch.Tensor],
     def compressed(call: Call) -> tuple[int, int]:
         seeds = [call.seed(call.rank * world + j) for j in range(world)]
         two_level = call.two_level and residuals is None
-        body = 0 if two_level else envelope_body(n, call.q, world)
+        body = 0 if two_level else envelope_body(n, call.q)
         check = call.check_descriptors(n, out.dtype, op, out.device, body)
         flat_out = out.view(-1)
         if two_level:
@@ -625,7 +626,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *, config=None
     chunk = -(-numel // world)
 
     def run_exact():
-        inner = I.inner_group(group)
+        inner = inner_of(group)
         send_op, factor, avg = exact_reduce(op, tensor, inner)
         if factor is not None:  # the tensor is the output: scaled in place
             tensor.mul_(factor)
@@ -643,7 +644,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *, config=None
             padded[:numel].copy_(flat)
         chunks = padded.view(world, chunk)
         seeds = [call.seed(2 * (rank * world + j)) for j in range(world)]
-        body = 0 if call.two_level else envelope_body(chunk, call.q, world)
+        body = 0 if call.two_level else envelope_body(chunk, call.q)
         check = call.check_descriptors(numel, tensor.dtype, op, tensor.device, body)
         seed_ag = call.seed(2 * (rank * world + rank) + 1)
         # the reduced chunk in fp32 (op applied), then gathered: padded is scratch (or

@@ -21,19 +21,22 @@ tells the phases, ranks and chunks of a call apart; the same on every rank for a
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import threading
 import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from . import handshake, purpose
 from . import inner as I
 from .codec import FLOAT_DTYPES
 from .config import CommConfig, QuantConfig, async_enabled, comm_config_from_env
-from .engine import Engine, on_side_stream
+from .engine import AsyncWork, Engine, on_side_stream
+from .envelope import Envelope
 from .stats import Stats
 from .topology import (
     EXACT,
@@ -86,10 +89,20 @@ class BufferCache:
 
 
 class GroupState:
-    """What a group needs across calls: config, the call counter (seeds), buffers, stats."""
+    """What a group needs across calls: config, the inner group that moves its bytes,
+    the call counter (seeds), buffers, stats, and whether it has failed."""
 
-    def __init__(self, config: CommConfig, *, agreed: bool = False) -> None:
+    def __init__(self, config: CommConfig, inner, *, agreed: bool = False,
+                 connect: bool = False) -> None:
         self.config = config
+        # The group that moves the bytes. A plain group's state starts on the group
+        # itself and, with ``connect``, moves to connections of its own at its first
+        # call through qcomm (handshake.ensure_agreed, Subgroups.own).
+        self.inner = inner
+        self.connect = connect
+        # The first failure of a call whose inner work had started: every later call on
+        # the group raises it (the ranks may be out of step).
+        self.failed: BaseException | None = None
         self.calls = itertools.count()  # advances identically on every rank
         self.buffers = BufferCache()
         self.stats = Stats()
@@ -105,9 +118,9 @@ class GroupState:
         # (numel, dtype, config) whose received headers a CUDA group has checked
         # (handshake.check_received); bounded by handshake.CHECKED_MAX.
         self.checked: set = set()
-        # The bodies of the last calls that passed the descriptor check: every rank's
-        # envelope size follows from them (handshake.Envelope).
-        self.envelope = handshake.Envelope()
+        # The calls that passed the descriptor check: every rank's envelope room follows
+        # from them (qcomm.envelope).
+        self.envelope = Envelope()
         # The members' nodes (qcomm.topology), learned with the config agreement; None
         # until then (and for a group of one rank). subgroups: the two-level plan's.
         self.topology: Topology | None = None
@@ -129,6 +142,23 @@ class GroupState:
     def next_call(self) -> int:
         return next(self.calls)
 
+    def check_failed(self) -> None:
+        """Raise if an earlier call on this group failed after its inner work started."""
+        if self.failed is not None:
+            raise dist.DistBackendError(
+                "qcomm: not run: an earlier call on this group failed after its inner "
+                f"collectives had started, which may leave the ranks out of step: "
+                f"{self.failed}") from self.failed
+
+    def record_control(self, kind: str, nbytes: int) -> None:
+        """Control bytes sent to every peer alike (descriptors, agreement)."""
+        self.stats.record_control(kind, nbytes, split_intra(self, nbytes))
+
+    def fail(self, err: BaseException) -> None:
+        """Fail the group for good (the first failure is the one named)."""
+        if self.failed is None:
+            self.failed = err
+
 
 _plain_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _plain_lock = threading.Lock()
@@ -144,9 +174,15 @@ def group_state(group) -> GroupState:
     with _plain_lock:
         state = _plain_states.get(group)
         if state is None:
-            state = _plain_states[group] = GroupState(comm_config_from_env())
+            state = _plain_states[group] = GroupState(comm_config_from_env(), group,
+                                                      connect=True)
             state.subgroups = plain_subgroups(group)
         return state
+
+
+def inner_of(group):
+    """The group that moves ``group``'s bytes (its state's :attr:`GroupState.inner`)."""
+    return group_state(group).inner
 
 
 # ---------------------------------------------------------------------------------
@@ -322,6 +358,16 @@ class Call:
         return wire, split_intra(self.state, wire)
 
 
+def failed_work(state: GroupState, result) -> AsyncWork:
+    """A completed Work that raises the group's failure from ``wait()``."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    try:
+        state.check_failed()
+    except dist.DistBackendError as err:
+        future.set_exception(err)
+    return AsyncWork(future, result)
+
+
 def split_intra(state: GroupState, nbytes: int) -> int:
     """The part of ``nbytes``, sent to every peer alike, that went to this rank's node."""
     topo = state.topology
@@ -347,8 +393,12 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
     data-parallel).
     """
     group = I.default(group)
-    state, inner = group_state(group), I.inner_group(group)
-    handshake.ensure_agreed(group, state, inner, kind, tensor.device)
+    state = group_state(group)
+    if state.failed is not None and async_op:
+        return failed_work(state, result)  # the failure reaches wait(), as an async one's
+    state.check_failed()
+    handshake.ensure_agreed(group, state, kind, tensor.device)
+    inner = state.inner
     q = quant_config(kind, state, config)
     if not (can_compress and state.plan != EXACT and purpose.may_compress(state)
             and compressible(tensor, numel, group.size(), q, state.config.min_numel, op)):
@@ -360,8 +410,15 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
         call = Call(kind, inner, state, q, state.next_call(), inner.rank(), group.size())
 
     def body() -> None:
+        state.check_failed()  # a call queued behind one that failed
         with state.lock:
-            wire, intra = compressed(call)
+            try:
+                wire, intra = compressed(call)
+            except handshake.Refused:
+                raise  # every rank refused it alike, before any payload: still in step
+            except BaseException as err:
+                state.fail(err)
+                raise
         state.stats.record(kind, compressed=True, logical=logical, wire=wire, intra=intra)
 
     if async_op and async_enabled():

@@ -12,11 +12,10 @@ Order is the contract that makes this safe: every rank must issue a group's inne
 collectives in the same order. The worker runs the group's calls one at a time in the
 order they were submitted, and anything the caller issues on the group outside the
 worker (an exact call, a synchronous compressed one, a forwarded broadcast or barrier)
-first :meth:`Engine.drain`\\s it: waits for the calls in flight to finish. A call that
-fails in its inner collectives (a dead peer, a timeout) fails every later one on the group,
-naming the first failure, instead of leaving the ranks out of step (which would hang or
-mix up payloads); a call every rank refused alike (the descriptor check's ValueError)
-leaves them in step, and the group goes on.
+first :meth:`Engine.drain`\\s it: waits for the calls in flight to finish. What a failed
+call means for the group (every later call fails, unless every rank refused it alike) is
+the driver's (:meth:`qcomm.driver.GroupState.fail`), for synchronous and asynchronous
+calls alike.
 """
 
 from __future__ import annotations
@@ -86,7 +85,6 @@ class Engine:
         self._name = name
         self._queue: queue.SimpleQueue | None = None
         self._last: concurrent.futures.Future | None = None
-        self._failed: BaseException | None = None
         self._lock = threading.Lock()
         self._worker: int | None = None  # the worker thread's ident
 
@@ -116,18 +114,8 @@ class Engine:
                 future.set_result(None)
 
     def _run(self, fn) -> None:
-        if self._failed is not None:
-            raise dist.DistBackendError(
-                "qcomm: not run: an earlier compressed call on this group failed, which "
-                f"leaves the ranks out of step: {self._failed}") from self._failed
-        try:
-            with torch.no_grad():  # grad mode is per thread: the caller's does not carry
-                fn()
-        except (ValueError, TypeError):
-            raise  # refused by every rank alike (the descriptor check): still in step
-        except BaseException as err:
-            self._failed = err
-            raise
+        with torch.no_grad():  # grad mode is per thread: the caller's does not carry
+            fn()
 
     def drain(self) -> None:
         """Wait for the calls in flight (their errors stay with their Works)."""

@@ -252,7 +252,7 @@ class DeltaAllGather(_PerModule, _AllGatherBase):
         n = inp.numel()
 
         def exact():
-            inner = I.inner_group(group)
+            inner = driver.inner_of(group)
             return driver.finish(I.all_gather(inner, out, inp), async_op, "all_gather",
                                  inner.rank())
 

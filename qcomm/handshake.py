@@ -36,12 +36,18 @@ from . import inner as I
 from . import layout
 from .codec import check_headers
 from .config import CommConfig, QuantConfig, node_key
-from .layout import DESC_NBYTES, NO_OP
+from .envelope import Exchange
+from .layout import NO_OP
 
 # Config fingerprint exchanged once per plain or wrapped group: sha256 hex, then repr.
 CONFIG_NBYTES = 1024
 # Shapes whose headers a CUDA group has checked, kept at most (a set of small tuples).
 CHECKED_MAX = 4096
+
+
+class Refused(ValueError):
+    """Every rank refused the call alike, before any payload moved (the ranks' configs
+    or call descriptors differ): the group stays in step and usable."""
 
 
 # ---------------------------------------------------------------------------------
@@ -97,29 +103,35 @@ def _config_blob(config: CommConfig, node: str) -> bytes:
     return blob[:CONFIG_NBYTES].ljust(CONFIG_NBYTES, b"\0")
 
 
-def ensure_agreed(group, state, inner, kind: str, device: torch.device) -> None:
-    """Once per plain or wrapped group, at its first collective through qcomm: every
-    rank must hold the same :class:`CommConfig` (``state.config``), or ranks would
-    choose differently between compressed and exact calls; the same exchange tells
-    every rank each member's node (``state.learn_topology``)."""
+def ensure_agreed(group, state, kind: str, device: torch.device) -> None:
+    """Once per plain or wrapped group, at its first collective through qcomm: a plain
+    group's state moves to connections of its own (``state.connect``:
+    :meth:`qcomm.topology.Subgroups.own`, where the group's store is known); every rank
+    must hold the same :class:`CommConfig` (``state.config``), or ranks would choose
+    differently between compressed and exact calls; the same exchange tells every rank
+    each member's node (``state.learn_topology``)."""
     if state.agreed or group.size() == 1:
         return
     with state.lock:
         if state.agreed:
             return
+        if state.connect and state.subgroups is not None and state.subgroups.store is not None:
+            state.inner = state.subgroups.own(group.rank(), group.size())
+        state.connect = False
+        inner = state.inner
         world, rank = inner.size(), inner.rank()
         mine = _config_blob(state.config, node_key())
         send = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
         recv = torch.empty(world * CONFIG_NBYTES, dtype=torch.uint8, device=device)
         work = I.start(I.all_gather, kind, "the config agreement", rank, inner, recv, send)
         I.wait(work, kind, "the config agreement", rank)
-        state.stats.record_control(kind, (world - 1) * CONFIG_NBYTES)
+        state.record_control(kind, (world - 1) * CONFIG_NBYTES)
         keys = []
         text = 64 + NODE_NBYTES
         for peer, row in enumerate(recv.view(world, CONFIG_NBYTES).cpu().tolist()):
             theirs = bytes(row)
             if theirs[:64] != mine[:64]:
-                raise ValueError(
+                raise Refused(
                     f"qcomm config differs between ranks: rank {rank} has "
                     f"{mine[text:].rstrip(bytes(1)).decode()}, rank {peer} has "
                     f"{theirs[text:].rstrip(bytes(1)).decode(errors='replace')} (check "
@@ -166,111 +178,45 @@ def explain(mine: bytes, theirs: bytes, rank: int, peer: int) -> str:
     return "; ".join(diff) or "descriptors differ in reserved bytes"
 
 
-# The envelope: every compressed call of a CPU group all-gathers ENVELOPE = DESC_NBYTES +
-# room bytes per rank, its descriptor then (a small one-piece call) its payloads, zero
-# padded; the payloads of a call that does not fit follow in a second exchange, as
-# before. Both sizes must match on every rank before anything is compared (gloo aborts
-# on a mismatch), so ``room`` follows only from what every rank has already agreed on:
-# the largest body of the last ENVELOPE_WINDOW calls that passed this check (identical
-# descriptors, so identical bodies) that fitted under the cap. Repeated shapes (a
-# training step's modules) ride from their second call; the first call of a group
-# sends the bare descriptor. A call that does not fit sends at most the cap in padding
-# (hidden behind its first quantize, as the descriptor was).
-# Measured (`python bench/experiments/envelope_toggle.py 8`, baa06fe, 2 ranks on
-# loopback, 8 bits; bench/results/cpu-amd-epyc-2c-avx512/envelope-toggle.txt): the
-# separate descriptor exchange is 32-54% of a small call, 2^10-2^16 elements, all-gather
-# and reduce-scatter (2^10 all-gather 1773 us with it, 1141 unchecked).
-# The cap: a 2^16-element 8-bit reduce-scatter on 2 ranks (two 66 080-byte slots) rides.
-# At 72 KiB it did not, and paid the room its all-gathers had set as padding before its
-# own all-to-all: 1.58x the pre-envelope call (small_calls.py, 4 rounds, 2026-12-03).
-ENVELOPE_WINDOW = 8
-ENVELOPE_ROOM_MAX = 136 * 1024
-ENVELOPE_TOTAL_MAX = 272 * 1024  # bytes a rank receives: room x world at most
-
-
-def envelope_cap(world: int) -> int:
-    """The most body bytes an envelope of a ``world``-rank group carries (16-byte
-    multiples: payload rows stay aligned)."""
-    return min(ENVELOPE_ROOM_MAX, ENVELOPE_TOTAL_MAX // max(world, 1)) // 16 * 16
-
-
-class Envelope:
-    """The bodies of the last calls that passed the descriptor check (a group's state):
-    every rank holds the same, so every rank derives the same envelope size."""
-
-    def __init__(self) -> None:
-        self.bodies: list[int] = []
-
-    def room(self) -> int:
-        return max(self.bodies, default=0)
-
-    def agreed(self, body: int, cap: int) -> None:
-        self.bodies.append(body if body <= cap else 0)
-        del self.bodies[:-ENVELOPE_WINDOW]
-
-
 class DescriptorCheck:
-    """One descriptor exchange, and the envelope it travels in.
-
-    ``body`` (bytes): what the call would send in the envelope (0: nothing; its
-    payloads always go on their own). Where it fits the agreed room (:attr:`rides`),
-    the caller writes its payloads into :meth:`payload` and calls :meth:`start`;
-    otherwise the exchange starts at once, before the quantize. :meth:`finish` waits and
-    compares; then the riding payloads are in :meth:`received`."""
+    """One compressed call's descriptor check, over its envelope exchange
+    (:class:`qcomm.envelope.Exchange`: the transport, and the payloads that ride in it).
+    :meth:`finish` waits and compares every rank's descriptor with this rank's; a
+    mismatch is :class:`Refused` on every rank alike (every rank received the same
+    descriptors), and the call is recorded in the group's history otherwise."""
 
     def __init__(self, inner, state, kind: str, desc: bytes, device: torch.device,
                  body: int = 0) -> None:
-        self.kind, self.desc, self.rank, self.state = kind, desc, inner.rank(), state
-        self.inner, self.world, self.body = inner, inner.size(), body
-        self.cap = envelope_cap(self.world)
-        room = state.envelope.room()
-        self.size = DESC_NBYTES + room
-        self.rides = 0 < body <= room
-        self.send = state.buffers.get("desc_send", self.size, torch.uint8, device)
-        self.send[:DESC_NBYTES].copy_(torch.frombuffer(bytearray(desc), dtype=torch.uint8))
-        # zeros where no payload goes: no bytes of an earlier call on the wire
-        self.send[DESC_NBYTES:].zero_()
-        self.recv = state.buffers.get("desc_recv", self.world * self.size, torch.uint8,
-                                      device)
-        self.work = None
-        if not self.rides:
-            self.start()
+        self.exchange = Exchange(inner, state, kind, desc, device, body)
+        self.kind, self.desc, self.rank = kind, desc, inner.rank()
 
-    def payload(self) -> torch.Tensor:
-        """The ``body`` bytes of this rank's envelope after the descriptor (riding)."""
-        return self.send[DESC_NBYTES:DESC_NBYTES + self.body]
+    @property
+    def rides(self) -> bool:
+        return self.exchange.rides
 
-    def start(self) -> None:
-        self.work = I.start(I.all_gather, self.kind, "the descriptor exchange", self.rank,
-                            self.inner, self.recv, self.send)
-        control = self.size - (self.body if self.rides else 0)
-        self.state.stats.record_control(self.kind, (self.world - 1) * control)
+    def payloads(self) -> torch.Tensor:
+        return self.exchange.payloads()
+
+    def start(self, *, same_for_all: bool = False) -> None:
+        self.exchange.start(same_for_all=same_for_all)
 
     def received(self, offset: int, nbytes: int) -> torch.Tensor:
-        """[world, nbytes] rows: bytes ``[offset, offset + nbytes)`` of every rank's
-        body, in rank order (a strided view of the envelopes received)."""
-        return self.recv.as_strided((self.world, nbytes), (self.size, 1),
-                                    self.recv.storage_offset() + DESC_NBYTES + offset)
+        return self.exchange.received(offset, nbytes)
 
     def finish(self) -> None:
-        if self.work is None:
-            raise RuntimeError("qcomm: a riding envelope was finished before it was sent")
-        I.wait(self.work, self.kind, "the descriptor exchange", self.rank)
-        rows = self.recv.view(-1, self.size)[:, :DESC_NBYTES]
-        for peer, row in enumerate(rows.tolist()):
-            theirs = bytes(row)
+        for peer, theirs in enumerate(self.exchange.wait()):
             if theirs != self.desc:
                 why = explain(self.desc, theirs, self.rank, peer)
-                raise ValueError(f"qcomm {self.kind}: ranks disagree ({why}); "
-                                 "nothing was sent or written")
-        self.state.envelope.agreed(self.body, self.cap)
+                raise Refused(f"qcomm {self.kind}: ranks disagree ({why}); "
+                              "nothing was sent or written")
+        self.exchange.agreed()
 
 
 def start_descriptor_check(inner, state, kind: str, numel: int, dtype: torch.dtype,
                            q: QuantConfig, op, call: int, device: torch.device,
                            body: int = 0) -> DescriptorCheck | None:
     """Start the descriptor exchange of one compressed call (None on CUDA: see above);
-    ``body`` as :class:`DescriptorCheck`."""
+    ``body``: the payload bytes for each peer that may ride in its envelope (0: none)."""
     if device.type == "cuda":
         return None
     desc = layout.encode_descriptor(kind, numel, dtype, q, op_id(op), call)

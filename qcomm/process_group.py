@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from . import collectives as C
-from . import driver, handshake, purpose
+from . import driver, functional, handshake, purpose
 from . import inner as I
 from .config import CommConfig, comm_config_from_env, node_key
 from .engine import Works
@@ -72,16 +72,20 @@ class QcommProcessGroup(dist.ProcessGroup):
     quantized payloads through ``inner`` and passes everything else through exactly."""
 
     def __init__(self, inner: dist.ProcessGroup, config: CommConfig, *,
-                 owns_inner: bool = True) -> None:
+                 owns_inner: bool = True, exact: bool = False) -> None:
         if not isinstance(config, CommConfig):
             raise TypeError(f"config must be a qcomm.CommConfig, got {config!r}")
         super().__init__(inner.rank(), inner.size())
-        self.inner = inner
-        self._qcomm_state = driver.GroupState(config)
+        self._qcomm_state = driver.GroupState(config, inner)
         self._owns_inner = owns_inner
         self._qcomm_name: str | None = None
         self._qcomm_desc = "undefined"
         self._qcomm_window: list | None = None  # a coalescing window's Works
+        # An exact twin sends every call exact (qcomm.purpose: DTensor's calls);
+        # a group's twin is made when torch names the group.
+        self._qcomm_exact = exact
+        self._qcomm_twin: QcommProcessGroup | None = None
+        functional.install()  # the functional op that would go around this group
         # The inner group's backends, registered as this group's: torch's C++ reaches a
         # group's backend directly for device binding (init_process_group(device_id=)
         # eager-connects it, new_group splits from it), timeouts, and some functional
@@ -95,6 +99,15 @@ class QcommProcessGroup(dist.ProcessGroup):
     @property
     def config(self) -> CommConfig:
         return self._qcomm_state.config
+
+    @property
+    def inner(self) -> dist.ProcessGroup:
+        """The group that moves this group's bytes (gloo, NCCL)."""
+        return self._qcomm_state.inner
+
+    @inner.setter
+    def inner(self, group) -> None:
+        self._qcomm_state.inner = group
 
     def __repr__(self) -> str:
         return (f"QcommProcessGroup(rank={self.rank()}, size={self.size()}, "
@@ -113,6 +126,23 @@ class QcommProcessGroup(dist.ProcessGroup):
 
     def _set_group_name(self, name: str) -> None:
         self._qcomm_name = name
+        if not self._qcomm_exact:
+            self._make_twin(name)
+
+    def _make_twin(self, name: str) -> None:
+        """The exact twin DTensor's redistributions reach this group through
+        (:mod:`qcomm.purpose`): the same inner group and state, every call exact,
+        registered with torch under the name the purpose module gives it."""
+        purpose.install_dtensor_view()
+        twin = QcommProcessGroup(self.inner, self.config, owns_inner=False, exact=True)
+        twin._qcomm_state = self._qcomm_state
+        twin._qcomm_name = purpose.register_twin(name)
+        try:
+            _c10d._unregister_process_group(twin._qcomm_name)  # a re-made group's name
+        except (KeyError, RuntimeError, ValueError):
+            pass
+        _c10d._register_process_group(twin._qcomm_name, twin)
+        self._qcomm_twin = twin
 
     def _set_group_desc(self, desc: str) -> None:
         self._qcomm_desc = desc
@@ -141,9 +171,10 @@ class QcommProcessGroup(dist.ProcessGroup):
     # -- what the caller wants: full values (state dicts, checkpoints, DTensor
     # redistribution) go exact (qcomm.purpose); every compressible entry point below
     # runs inside this
-    @staticmethod
-    def _purpose():
-        return purpose.exact() if purpose.exact_caller() else contextlib.nullcontext()
+    def _purpose(self):
+        if self._qcomm_exact or purpose.exact_caller():
+            return purpose.exact()
+        return contextlib.nullcontext()
 
     # -- all-gather ---------------------------------------------------------------
     def all_gather_single(self, output, input, opts=None):  # noqa: A002 (torch's names)
@@ -232,6 +263,7 @@ class QcommProcessGroup(dist.ProcessGroup):
 
     # -- everything else: exact, through the inner group ----------------------------
     def all_to_all_single(self, *args, **kwargs):
+        self._qcomm_state.check_failed()
         self._qcomm_state.engine.drain()
         return self._issued(I.method(self.inner, "all_to_all_single", "alltoall_base")(
             *args, **kwargs))
@@ -256,6 +288,15 @@ class QcommProcessGroup(dist.ProcessGroup):
         return work
 
     def shutdown(self) -> None:
+        if self._qcomm_twin is not None:
+            purpose.forget_twin(self._qcomm_name)
+            try:
+                _c10d._unregister_process_group(self._qcomm_twin._qcomm_name)
+            except (KeyError, RuntimeError, ValueError):
+                pass
+            self._qcomm_twin = None
+        if self._qcomm_exact:
+            return  # the twin's group owns everything it uses
         self._qcomm_state.engine.shutdown()
         if self._owns_inner:
             self.inner.shutdown()
@@ -268,6 +309,7 @@ class QcommProcessGroup(dist.ProcessGroup):
 
 def _forward(name: str):
     def method(self, *args, **kwargs):
+        self._qcomm_state.check_failed()
         self._qcomm_state.engine.drain()  # after the compressed calls in flight (order)
         return self._issued(getattr(self.inner, name)(*args, **kwargs))
     method.__name__ = name
@@ -309,15 +351,27 @@ def register() -> None:
 
 
 def wrap(group=None, config: CommConfig | None = None) -> QcommProcessGroup:
-    """A qcomm group over an existing ``group`` (default: the default group), sharing
-    its connections; usable with ``dist.*`` calls, DeviceMesh and FSDP like any group.
-    ``config`` defaults to the ``QCOMM_*`` environment."""
+    """A qcomm group of the members of ``group`` (default: the default group), usable
+    with ``dist.*`` calls, DeviceMesh and FSDP like any group. ``config`` defaults to
+    the ``QCOMM_*`` environment.
+
+    Like ``new_group``, every member must call it: it connects the members anew, from
+    the group's store, so that the qcomm group and ``group`` never share a socket (an
+    asynchronous compressed call in flight on one and the user's next call on the
+    other would otherwise interleave their messages on it). A group whose store torch
+    does not know (one not made by ``init_process_group`` / ``new_group``) is shared as
+    it is, and the caller must order the two groups' calls."""
     group = I.default(group)
-    inner = I.inner_group(group)
     config = comm_config_from_env() if config is None else config
-    pg = QcommProcessGroup(inner, config, owns_inner=False)
     made = getattr(getattr(group, "_qcomm_state", None), "subgroups", None)
-    pg._qcomm_state.subgroups = made if made is not None else plain_subgroups(inner)
+    subgroups = made if made is not None else plain_subgroups(group)
+    inner = I.inner_group(group)
+    owns = False
+    if subgroups.store is not None and group.size() > 1:
+        inner = subgroups.own(group.rank(), group.size())
+        owns = True
+    pg = QcommProcessGroup(inner, config, owns_inner=owns)
+    pg._qcomm_state.subgroups = subgroups
     name = f"{group.group_name}:qcomm:{id(pg):x}"
     pg._set_group_name(name)
     ranks = dict(_c10d._world.pg_group_ranks.get(group, {r: r for r in range(group.size())}))

@@ -1,18 +1,19 @@
 """Per-group counters: how many collectives went compressed or exact, and their bytes.
 
 Bytes are counted from one rank's point of view as *what leaves this rank for its
-peers* under a direct exchange, so that ``wire / logical`` is the compression ratio
-whatever the inner algorithm (ring, tree) does with them:
+peers* under a direct exchange, whatever the inner algorithm (ring, tree) does with
+them:
 
 - all-gather: this rank's shard goes to ``world - 1`` peers;
 - reduce-scatter: ``world - 1`` chunks go one to each peer;
 - all-reduce: a reduce-scatter followed by an all-gather of the reduced chunk
   (``2 (world - 1)`` chunks; what a ring all-reduce moves too).
 
-Exact calls count their uncompressed bytes on both sides. The small control
-messages of compressed calls (the 48-byte descriptor every rank checks before the
-payloads move, and a group's one config agreement) are counted apart, in
-``control_bytes``, so that ``ratio`` stays the codec's.
+``logical_bytes`` is what the exact collective would send; ``wire_bytes`` is every byte
+qcomm handed to its inner groups for peers: payloads, the exact calls' tensors, and the
+control traffic of compressed calls (each call's descriptor in its envelope, with any
+room a call did not fill, and a group's one config agreement), which ``control_bytes``
+counts again on its own. ``ratio`` is ``logical / wire``: what really left the rank.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ class CollectiveStats:
     calls_compressed: int = 0  # calls sent as packed payloads
     calls_exact: int = 0  # calls passed through to the inner group unchanged
     logical_bytes: int = 0  # bytes the exact collective would send (see module doc)
-    wire_bytes: int = 0  # payload bytes actually handed to the inner group for peers
-    control_bytes: int = 0  # descriptor / config-agreement bytes sent to peers
+    wire_bytes: int = 0  # every byte handed to the inner groups for peers (see module doc)
+    control_bytes: int = 0  # of them: descriptors, unfilled envelope room, config agreement
     # The bytes this rank sent (payloads and exact), split by where the peer is: on this
     # rank's node, or on another node (what crossed the slow link). Without node
     # information (a group of one node, or flat) every peer counts as on another node.
@@ -66,9 +67,15 @@ class Stats:
             s.intra_node_bytes += intra
             s.inter_node_bytes += wire - intra
 
-    def record_control(self, kind: str, nbytes: int) -> None:
+    def record_control(self, kind: str, nbytes: int, intra: int = 0) -> None:
+        """Control bytes sent to peers (``intra`` of them on this rank's node): part of
+        the wire too."""
         with self._lock:
-            self._by_kind[kind].control_bytes += nbytes
+            s = self._by_kind[kind]
+            s.control_bytes += nbytes
+            s.wire_bytes += nbytes
+            s.intra_node_bytes += intra
+            s.inter_node_bytes += nbytes - intra
 
     def snapshot(self) -> dict[str, CollectiveStats]:
         with self._lock:
@@ -82,11 +89,20 @@ class Stats:
 def format_table(snapshot: dict[str, CollectiveStats]) -> str:
     """A small text table of a :func:`stats` snapshot (what the demo prints)."""
     rows = [f"{'collective':<15}{'compressed':>11}{'exact':>7}{'uncompressed':>15}"
-            f"{'on the wire':>15}{'ratio':>8}"]
+            f"{'on the wire':>15}{'of it control':>15}{'ratio':>8}"]
+    total = CollectiveStats()
     for kind, s in snapshot.items():
-        rows.append(f"{kind:<15}{s.calls_compressed:>11}{s.calls_exact:>7}"
-                    f"{_mib(s.logical_bytes):>15}{_mib(s.wire_bytes):>15}{s.ratio:>7.2f}x")
+        rows.append(_row(kind, s))
+        for f in ("calls_compressed", "calls_exact", "logical_bytes", "wire_bytes",
+                  "control_bytes"):
+            setattr(total, f, getattr(total, f) + getattr(s, f))
+    rows.append(_row("total", total))
     return "\n".join(rows)
+
+
+def _row(name: str, s: CollectiveStats) -> str:
+    return (f"{name:<15}{s.calls_compressed:>11}{s.calls_exact:>7}{_mib(s.logical_bytes):>15}"
+            f"{_mib(s.wire_bytes):>15}{_mib(s.control_bytes):>15}{s.ratio:>7.2f}x")
 
 
 def _mib(n: int) -> str:

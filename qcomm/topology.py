@@ -133,28 +133,41 @@ def plain_subgroups(group) -> Subgroups:
 
 
 class Subgroups:
-    """The two subgroups a two-level plan needs, made once, on first use, from the
-    group's store (gloo and NCCL alike, through :func:`qcomm.inner.make_inner`):
-    ``intra``, this rank's node; ``inter``, the ranks of its local index."""
+    """Inner groups made from a group's store (gloo and NCCL alike, through
+    :func:`qcomm.inner.make_inner`): the two a two-level plan needs, made once, on first
+    use (:meth:`get`: ``intra``, this rank's node; ``inter``, the ranks of its local
+    index), and a group of all its members on connections of their own (:meth:`own`).
+
+    Every member makes the same groups in the same order (collectives of one group are
+    issued in one order on every rank): each counts them per rank on the store, as
+    :func:`qcomm.handshake.check_at_creation` counts groups, so keys never collide with
+    an earlier group's on the same store."""
 
     def __init__(self, store, timeout, spec: str | None) -> None:
         self.store, self.timeout, self.spec = store, timeout, spec
         self._made: tuple | None = None
 
+    def _prefix(self, rank: int) -> str:
+        return f"qcomm/sub/{self.store.add(f'qcomm/subgroups/{rank}', 1)}/"
+
+    def own(self, rank: int, size: int) -> dist.ProcessGroup:
+        """A new inner group of the same ``size`` members (this one ``rank``), on
+        connections of its own: what qcomm sends for a plain or wrapped group never
+        shares a socket, and so never an order, with the user's calls on the group
+        itself (as separate NCCL communicators)."""
+        return I.make_inner(dist.PrefixStore(self._prefix(rank) + "own/", self.store),
+                            rank, size, self.timeout, self.spec)
+
     def get(self, topo: Topology) -> tuple:
         if self._made is None:
             if self.store is None:
                 raise RuntimeError("qcomm: a two-level plan needs the group's store")
-            # Every member makes the same subgroups in the same order (this is its first
-            # two-level collective): it counts them per rank on the store, as
-            # handshake.check_at_creation counts groups, so keys never collide with an
-            # earlier group's on the same store.
-            n = self.store.add(f"qcomm/subgroups/{topo.rank}", 1)
+            prefix = self._prefix(topo.rank)
             intra = I.make_inner(
-                dist.PrefixStore(f"qcomm/sub/{n}/intra/{topo.node}/", self.store),
+                dist.PrefixStore(f"{prefix}intra/{topo.node}/", self.store),
                 topo.local, len(topo.intra_ranks()), self.timeout, self.spec)
             inter = I.make_inner(
-                dist.PrefixStore(f"qcomm/sub/{n}/inter/{topo.local}/", self.store),
+                dist.PrefixStore(f"{prefix}inter/{topo.local}/", self.store),
                 topo.node, topo.nodes, self.timeout, self.spec)
             self._made = (intra, inter)
         return self._made

@@ -137,12 +137,16 @@ def test_exact_paths_bit_equal_to_gloo():
 
 
 class Recorder:
-    """A duck-typed inner group: forwards to a real group and records payload bytes."""
+    """A duck-typed inner group: forwards to a real group and records what it is handed:
+    (op, bytes of the input) per call, the input bytes themselves, and the bytes that go
+    to peers under a direct exchange (an all-gather's input to each of world - 1 peers,
+    an all-to-all's rows but its own)."""
 
     def __init__(self, real):
         self._real = real
         self.sent: list[tuple[str, int]] = []
-        self.bytes: list[torch.Tensor] = []  # what each all-gather sent
+        self.bytes: list[torch.Tensor] = []  # what each call was handed
+        self.to_peers = 0
 
     def rank(self):
         return self._real.rank()
@@ -150,13 +154,23 @@ class Recorder:
     def size(self):
         return self._real.size()
 
-    def all_gather_single(self, out, inp, opts):
-        self.sent.append(("all_gather", inp.numel() * inp.element_size()))
+    def _record(self, op, inp):
+        nbytes = inp.numel() * inp.element_size()
+        world = self.size()
+        self.sent.append((op, nbytes))
         self.bytes.append(inp.detach().clone())
+        self.to_peers += (world - 1) * nbytes if op == "all_gather" else (
+            nbytes - nbytes // world)
+
+    def shutdown(self):
+        self._real.shutdown()
+
+    def all_gather_single(self, out, inp, opts):
+        self._record("all_gather", inp)
         return _method(self._real, "all_gather_single", "_allgather_base")(out, inp, opts)
 
     def all_to_all_single(self, out, inp, out_splits, in_splits, opts):
-        self.sent.append(("all_to_all", inp.numel() * inp.element_size()))
+        self._record("all_to_all", inp)
         return _method(self._real, "all_to_all_single", "alltoall_base")(
             out, inp, out_splits, in_splits, opts)
 
@@ -173,72 +187,65 @@ def _three_calls(pg, rank, world, n):
 
 
 def _wire_body(rank, world):
-    import qcomm.handshake as H
+    import qcomm.envelope as E
 
     cfg = CommConfig(all_gather=QuantConfig(bits=4), reduce_scatter=QuantConfig(bits=2),
                      all_reduce=QuantConfig(bits=3))
     n = 5000
     chunk = -(-(2 * n + 1) // world)
-    ag = packed_nbytes(n, cfg.all_gather)
-    rs = world * packed_nbytes(n, cfg.reduce_scatter)  # a slot per rank
-    ar = world * packed_nbytes(chunk, cfg.all_reduce)
+    # the payload each peer gets: every call's is one payload a peer
+    ag, rs = packed_nbytes(n, cfg.all_gather), packed_nbytes(n, cfg.reduce_scatter)
+    ar = packed_nbytes(chunk, cfg.all_reduce)
     rec = Recorder(dist.group.WORLD)
     pg = qcomm.QcommProcessGroup(rec, cfg, owns_inner=False)
-    got = _three_calls(pg, rank, world, n)
-    # Each compressed call's descriptor goes first, in an envelope whose room is the
-    # largest payload body of the last calls every rank agreed on (none at first).
+    got = [_three_calls(pg, rank, world, n) for _ in range(3)]
+    # Rounds 1 and 2: no period agreed yet, so each descriptor goes bare (an all-to-all
+    # of 48-byte rows) and the payloads follow on their own; from round 3 the history
+    # ends with one full repetition of the three calls, and each payload rides in its
+    # envelope: one exchange a call, no padding (the all-reduce's gather as before).
     expected = [("all_gather", CONFIG_NBYTES)]  # a wrapped group's config agreement, once
-    room = 0
-    for body, payload in ((ag, ("all_gather", ag)), (rs, ("all_to_all", rs)),
-                          (ar, ("all_to_all", ar))):
-        expected.append(("all_gather", DESC_NBYTES + room))
-        if body > room:  # too big to ride: its own exchange
-            expected.append(payload)
-        room = max(room, body)
-    expected.append(("all_gather", packed_nbytes(chunk, cfg.all_reduce)))  # the AR's gather
+    for _ in range(2):
+        for payload in (("all_gather", ag), ("all_to_all", world * rs),
+                        ("all_to_all", world * ar)):
+            expected += [("all_to_all", world * DESC_NBYTES), payload]
+        expected.append(("all_gather", ar))
+    expected += [("all_to_all", world * (DESC_NBYTES + body)) for body in (ag, rs, ar)]
+    expected.append(("all_gather", ar))
     assert rec.sent == expected, (rec.sent, expected)
-    if world == 2:  # the first call rides on nothing; here neither do the next two
-        assert len(expected) == 8
+    # every byte handed to the inner group for peers is counted, control included
     s = qcomm.stats(pg)
-    assert s["all_gather"].wire_bytes == (world - 1) * ag
-    assert s["all_gather"].control_bytes == (world - 1) * (CONFIG_NBYTES + DESC_NBYTES)
-    assert s["all_gather"].logical_bytes == (world - 1) * n * 4
-    assert s["reduce_scatter"].ratio > 15  # 2 bits vs 32
-    # The same calls again: every payload now rides with its descriptor, one exchange
-    # a call (the all-reduce's gather follows as before); the bytes counted alike.
-    del rec.sent[:]
-    got += _three_calls(pg, rank, world, n)
-    room = DESC_NBYTES + max(ag, rs, ar)
-    assert rec.sent == [("all_gather", room)] * 3 + [
-        ("all_gather", packed_nbytes(chunk, cfg.all_reduce))], rec.sent
-    s = qcomm.stats(pg)
-    assert s["all_gather"].wire_bytes == 2 * (world - 1) * ag
-    assert s["all_gather"].control_bytes == (world - 1) * (
-        CONFIG_NBYTES + DESC_NBYTES + room - ag)
-    # and they deliver what the two-exchange calls do, bit for bit (a fresh group of
-    # the same config: the same seeds call by call), with the envelope shut
+    assert sum(v.wire_bytes for v in s.values()) == rec.to_peers
+    assert s["all_gather"].wire_bytes == (world - 1) * (
+        CONFIG_NBYTES + 3 * DESC_NBYTES + 3 * ag)
+    assert s["all_gather"].control_bytes == (world - 1) * (CONFIG_NBYTES + 3 * DESC_NBYTES)
+    assert s["reduce_scatter"].wire_bytes == (world - 1) * 3 * (DESC_NBYTES + rs)
+    assert s["all_reduce"].wire_bytes == (world - 1) * 3 * (DESC_NBYTES + 2 * ar)
+    assert s["all_gather"].logical_bytes == 3 * (world - 1) * n * 4
+    assert s["all_gather"].ratio == s["all_gather"].logical_bytes / s["all_gather"].wire_bytes
+    # ...and the riding calls deliver what the two-exchange calls do, bit for bit (a
+    # fresh group of the same config: the same seeds call by call), envelope shut
     rec2 = Recorder(dist.group.WORLD)
     pg2 = qcomm.QcommProcessGroup(rec2, cfg, owns_inner=False)
-    cap = H.ENVELOPE_ROOM_MAX
-    H.ENVELOPE_ROOM_MAX = 0
+    cap = E.ENVELOPE_ROOM_MAX
+    E.ENVELOPE_ROOM_MAX = 0
     try:
-        want = _three_calls(pg2, rank, world, n) + _three_calls(pg2, rank, world, n)
+        want = [_three_calls(pg2, rank, world, n) for _ in range(3)]
     finally:
-        H.ENVELOPE_ROOM_MAX = cap
-    assert all(op == "all_to_all" or size in (CONFIG_NBYTES, DESC_NBYTES, ag,
-                                               packed_nbytes(chunk, cfg.all_reduce))
-               for op, size in rec2.sent), rec2.sent
-    for a, b in zip(got, want, strict=True):
+        E.ENVELOPE_ROOM_MAX = cap
+    assert [size for op, size in rec2.sent if op == "all_to_all"].count(
+        world * DESC_NBYTES) == 9, rec2.sent
+    for a, b in zip(sum(got, []), sum(want, []), strict=True):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
-    # the envelope byte for byte: the descriptor, then the payload the two-exchange
-    # call sent on its own, then zeros (round 2's all-gather, the same call index)
-    envelope = rec.bytes[-4]
-    desc, payload = rec2.bytes[-5], rec2.bytes[-4]
-    assert envelope.numel() == room and desc.numel() == DESC_NBYTES
-    assert payload.numel() == ag
-    assert torch.equal(envelope[:DESC_NBYTES], desc)
-    assert torch.equal(envelope[DESC_NBYTES:DESC_NBYTES + ag], payload)
-    assert not envelope[DESC_NBYTES + ag:].any()
+    # the envelopes byte for byte: row j = the descriptor, then the payload for rank j
+    # that the two-exchange call sent on its own (round 3, the same call indices)
+    ag_env, rs_env = (rec.bytes[i].view(world, -1) for i in (-4, -3))
+    desc_ag, payload_ag = rec2.bytes[-7], rec2.bytes[-6]
+    desc_rs, slots_rs = rec2.bytes[-5].view(world, -1), rec2.bytes[-4].view(world, -1)
+    for j in range(world):
+        assert torch.equal(ag_env[j], torch.cat([desc_ag.view(world, -1)[j], payload_ag]))
+        assert torch.equal(rs_env[j, :DESC_NBYTES], desc_rs[j])
+        if j != rank:  # this rank's own slot never leaves it
+            assert torch.equal(rs_env[j, DESC_NBYTES:], slots_rs[j])
     return rec.sent
 
 
@@ -379,7 +386,8 @@ class PipelineRecorder(Recorder):
         return work if inp.numel() == DESC_NBYTES else self._started(work)
 
     def all_to_all_single(self, out, inp, out_splits, in_splits, opts):
-        return self._started(super().all_to_all_single(out, inp, out_splits, in_splits, opts))
+        work = super().all_to_all_single(out, inp, out_splits, in_splits, opts)
+        return work if inp.numel() == self.size() * DESC_NBYTES else self._started(work)
 
 
 def test_pieces_keep_payload_bytes_across_widths():
@@ -411,8 +419,8 @@ def test_pieces_keep_payload_bytes_across_widths():
 def _pieces_body(rank, world, piece):
     qcomm.collectives.PIECE = piece
     res = _compressed_body(rank, world, Q8, torch.float32, 3001)  # the flat bound holds
-    rec = PipelineRecorder(dist.group.WORLD)
     pg = qcomm.wrap(dist.group.WORLD, CommConfig(all_gather=Q8, reduce_scatter=Q8))
+    rec = PipelineRecorder(pg.inner)
     pg.inner = rec
     qcomm.all_gather_into_tensor(torch.empty(world * 3001), make(rank, 3001), pg)
     rec.events.clear()  # the group's first call also agrees on the config
@@ -439,7 +447,9 @@ def test_flat_pieces_pipeline_within_bound(world):
         assert torch.equal(r["ag"], results[0]["ag"]) and torch.equal(r["ar"], results[0]["ar"])
         assert r["ag_events"] == pipelined, r["ag_events"]
         assert r["rs_events"] == pipelined, r["rs_events"]
-        assert r["wire"] == (world - 1) * sum(packed_nbytes(m, Q8) for m in sizes)
+        # the payloads and the call's bare descriptor (a pipeline of pieces never rides)
+        assert r["wire"] == (world - 1) * (DESC_NBYTES + sum(packed_nbytes(m, Q8)
+                                                             for m in sizes))
 
 
 def _launch_count_body(rank, world):

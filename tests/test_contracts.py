@@ -129,7 +129,7 @@ def _failure_body(rank, world):
     with pytest.raises(dist.DistBackendError, match="qcomm all_gather"):
         work.wait()
     later = dist.all_gather_into_tensor(out, x, async_op=True)
-    with pytest.raises(dist.DistBackendError, match="earlier compressed call"):
+    with pytest.raises(dist.DistBackendError, match="earlier call on this group failed"):
         later.wait()
     assert later.is_completed() and not later.is_success()
     return True
@@ -138,6 +138,38 @@ def _failure_body(rank, world):
 def test_async_failure_reaches_wait_and_later_calls():
     res = run_ranks(_failure_body, 2, dead=(1,), pg_timeout=10, timeout=90)
     assert res[0] is True
+
+
+def _beside_plain_body(rank, world, route):
+    """An async compressed call in flight, then the user's own exact call on the plain
+    group it came from (the loss all-reduce of a training step), ten times over: qcomm
+    sends on connections of its own, so neither call waits on or mixes with the other's
+    messages, and both give the right values on every rank."""
+    plain = dist.group.WORLD  # a gloo default group
+    qg = qcomm.wrap(plain) if route == "wrap" else plain
+    errs = []
+    for i in range(10):
+        x = make(rank, N, salt=i)
+        out = torch.empty(world * N)
+        if route == "wrap":
+            work = dist.all_gather_into_tensor(out, x, group=qg, async_op=True)
+        else:
+            work = qcomm.all_gather_into_tensor(out, x, plain, async_op=True)
+        loss = torch.tensor([float(rank + i)])
+        dist.all_reduce(loss, group=plain)
+        assert loss.item() == sum(r + i for r in range(world)), loss
+        work.wait()
+        want = torch.cat([make(r, N, salt=i) for r in range(world)])
+        errs.append(((out - want).norm() / want.norm()).item())
+    s = qcomm.stats(qg)["all_gather"]
+    assert s.calls_compressed == 10, s
+    return max(errs)
+
+
+@pytest.mark.parametrize("route", ["wrap", "direct"])
+def test_async_call_beside_the_plain_group(route):
+    for err in run_ranks(_beside_plain_body, 2, route, backend="gloo", timeout=90):
+        assert 0 < err < 0.02, err
 
 
 # ---------------------------------------------------------------------------------
@@ -212,27 +244,46 @@ def _functional_body(rank, world):
                                                                  g))],
         "broadcast": lambda g: [wait(f.broadcast(x, 0, g))],
     }
-    errs = {}
+    errs, seen = {}, {}
     for name, op in ops.items():
         if not hasattr(f, name):
             continue  # an older torch
-        got, want = op(pg.group_name), op(ref.group_name)
+        before = qcomm.stats(pg)
+        got = op(pg.group_name)
+        after = qcomm.stats(pg)
+        seen[name] = sum(after[k].calls_compressed - before[k].calls_compressed
+                         for k in after)
+        want = op(ref.group_name)
         errs[name] = max(((a - b).norm() / b.norm()).item() for a, b in
                          zip(got, want, strict=True))
+    # the _out form behind an async compressed call in flight: ordered with it (it went
+    # to the inner backend from C++ before, and gloo aborted on the mixed messages)
+    out = torch.empty(world * N)
+    work = dist.all_gather_into_tensor(out, make(rank, N, salt=3), async_op=True)
+    got = wait(f.all_gather_into_tensor_out(x, world, pg.group_name,
+                                            out=torch.empty(world * N)))
+    work.wait()
+    want = torch.cat([make(r, N) for r in range(world)])
+    errs["out_behind_async"] = ((got - want).norm() / want.norm()).item()
     backend = pg._get_backend(torch.device("cpu"))
-    return errs, type(backend).__name__, dist.get_backend(pg)
+    return errs, seen, type(backend).__name__, dist.get_backend(pg)
 
 
 def test_functional_ops_on_a_qcomm_group():
     """Every _c10d_functional op (what compiled code and DTensor emit) runs on a qcomm
-    group, compressed within the codec's error or exact; the exact ones equal gloo's."""
-    errs, backend, name = run_ranks(_functional_body, 2)[0]
+    group, compressed within the codec's error or exact; the exact ones equal gloo's.
+    Every all-gather, reduce-scatter and all-reduce among them reaches qcomm (counted,
+    compressed), the _out form included."""
+    errs, seen, backend, name = run_ranks(_functional_body, 2)[0]
     assert backend == "ProcessGroupGloo" and name == "qcomm"
-    assert len(errs) >= 9, errs
+    assert len(errs) >= 10, errs
     for op in ("all_to_all_single", "broadcast"):
         assert errs[op] == 0.0, (op, errs)
     for op, err in errs.items():
         assert err < 0.02, (op, errs)
+    for op, count in seen.items():
+        if op not in ("all_to_all_single", "broadcast"):
+            assert count >= 1, (op, seen)
 
 
 def _avg_body(rank, world):

@@ -234,6 +234,72 @@ def test_dying_peer_raises_naming_the_collective(where, world):
 
 
 # ---------------------------------------------------------------------------------
+# A call that fails after its inner work started fails the group
+
+
+def _fault_body(rank, world, mode):
+    """Rank 0 finds piece 1 of a 3-piece all-gather bad (an injected header check
+    failure, after every piece's exchange has started): that call raises on rank 0, and
+    every later call on the group there (compressed, exact, forwarded) raises
+    DistBackendError naming it. Rank 1 completed the call; its next one finds no peer
+    and fails by the group's timeout, never hangs; and then the group is failed there."""
+    import qcomm.collectives as C
+    import qcomm.handshake as H
+
+    C.PIECE = 1024
+    group = dist.group.WORLD
+    n = 3001
+    out = torch.empty(world * n)
+    qcomm.all_gather_into_tensor(out, make(rank, n), group)  # agreed, in step
+    if rank == 0:
+        real, seen = H.check_received, []
+
+        def faulty(rows, *args, **kwargs):
+            seen.append(1)
+            if len(seen) == 2:
+                raise ValueError("injected: a bad header in piece 1")
+            return real(rows, *args, **kwargs)
+
+        H.check_received = faulty
+    res = {}
+    try:
+        work = qcomm.all_gather_into_tensor(out, make(rank, n), group,
+                                            async_op=mode == "async")
+        if work is not None:
+            work.wait()
+        res["first"] = None
+    except Exception as err:  # noqa: BLE001 (what the rank saw)
+        res["first"] = f"{type(err).__name__}: {err}"
+    later = []
+    for call in (lambda: qcomm.all_gather_into_tensor(out, make(rank, n), group),
+                 lambda: qcomm.all_reduce(torch.ones(8), group=group),  # exact: too small
+                 lambda: dist.broadcast(torch.ones(8), 0)):
+        start = time.monotonic()
+        try:
+            call()
+            later.append(None)
+        except Exception as err:  # noqa: BLE001
+            later.append((f"{type(err).__name__}: {err}", time.monotonic() - start))
+    res["later"] = later
+    return res
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_failure_after_the_exchange_started_fails_the_group(mode):
+    results = run_ranks(_fault_body, 2, mode, pg_timeout=PG_TIMEOUT, timeout=120)
+    r0, r1 = results
+    assert r0["first"] and "injected" in r0["first"], r0
+    for err in r0["later"]:  # every later call: failed at once, naming the first error
+        assert err and err[0].startswith("DistBackendError") and "injected" in err[0], err
+        assert err[1] < 1.0, err
+    assert r1["first"] is None, r1  # its call completed: rank 0 had sent every piece
+    err = r1["later"][0]
+    assert err and "qcomm all_gather" in err[0] and err[1] < PG_TIMEOUT + 10, err
+    for err in r1["later"][1:]:  # and then its group is failed too
+        assert err and "earlier call on this group failed" in err[0], err
+
+
+# ---------------------------------------------------------------------------------
 # Ranks that disagree
 
 
@@ -309,21 +375,29 @@ def _disagree_body(rank, world):
     call = lambda: qcomm.all_reduce(t, ReduceOp.AVG if rank else ReduceOp.SUM, group)  # noqa: E731
     call.keep = [t]
     refused("reduce op", call)
+    # a group wrapped with different configs: its first collective says so
+    wrapped = qcomm.wrap(group, CommConfig(min_numel=4096 if rank else 1024))
+    with pytest.raises(ValueError, match="config differs between ranks.*min_numel=4096"):
+        qcomm.all_reduce(make(rank, 2048), group=wrapped)
     # the payload header check alone (descriptors off): equal-size payloads that differ
+    # are named, after the exchange; the payloads had moved, so each group fails for good
     import qcomm.handshake as H
 
     real = H.start_descriptor_check
     H.start_descriptor_check = lambda *a, **k: None
     try:
-        refused("payload from rank .*rounding", ag(x, other(rounding="nearest")))
-        # 2001 and 2002 elements take the same bytes at 8 bits: the header's numel tells
-        refused("payload from rank .*numel", ag(make(rank, 2001 + rank)))
+        for match, inp, config in (
+                ("payload from rank .*rounding", x, other(rounding="nearest")),
+                # 2001 and 2002 elements take the same bytes at 8 bits: numel tells
+                ("payload from rank .*numel", make(rank, 2001 + rank), None)):
+            fresh = qcomm.wrap(group)
+            out = torch.empty(world * inp.numel())
+            with pytest.raises(ValueError, match=match):
+                qcomm.all_gather_into_tensor(out, inp, fresh, config=config)
+            with pytest.raises(dist.DistBackendError, match="earlier call.*" + match):
+                qcomm.all_gather_into_tensor(out, inp, fresh, config=config)
     finally:
         H.start_descriptor_check = real
-    # a group wrapped with different configs: its first collective says so
-    wrapped = qcomm.wrap(group, CommConfig(min_numel=4096 if rank else 1024))
-    with pytest.raises(ValueError, match="config differs between ranks.*min_numel=4096"):
-        qcomm.all_reduce(make(rank, 2048), group=wrapped)
     return True
 
 

@@ -14,7 +14,7 @@ from test_collectives import Q8, _compressed_body
 import qcomm
 import qcomm.fsdp as qcomm_fsdp
 from qcomm import CommConfig, QuantConfig
-from qcomm.layout import packed_nbytes
+from qcomm.layout import DESC_NBYTES, packed_nbytes
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,8 @@ def test_two_level_within_bound_and_identical(nodes, piece):
     for r in results:
         assert r["plan"] == "two_level"
         assert torch.equal(r["ag"], results[0]["ag"]) and torch.equal(r["ar"], results[0]["ar"])
-        assert r["bytes"] == (payloads, 2 * payloads)
+        # and the call's descriptor, to each of the 3 peers (1 on this node)
+        assert r["bytes"] == (payloads + 2 * DESC_NBYTES, 2 * payloads + DESC_NBYTES)
         assert all(torch.equal(a, b) for a, b in zip(r["delta"], results[0]["delta"], strict=True))
         first, _, last = r["delta_err"]
         assert last < first / 8, r["delta_err"]
@@ -141,6 +142,20 @@ def _fsdp2(seed=0):
     return model
 
 
+def _exact_gather(world):
+    """A function of a DTensor sharded on dim 0: its full value, gathered exactly
+    through a plain gloo group (the truth to compare qcomm's exact paths with)."""
+    gloo = dist.new_group(backend="gloo")
+
+    def gathered(t):
+        local = t.to_local().detach().contiguous()
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local, group=gloo)
+        return torch.cat(parts)[: t.shape[0]].reshape(t.shape)
+
+    return gathered
+
+
 def _state_dict_body(rank, world, ckpt_dir):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -162,14 +177,7 @@ def _state_dict_body(rank, world, ckpt_dir):
     sd = get_model_state_dict(model, options=full)
     osd = get_optimizer_state_dict(model, opt, options=full)
     # the truth: each shard exactly, gathered through a plain gloo group
-    gloo = dist.new_group(backend="gloo")
-
-    def gathered(t):
-        local = t.to_local().detach().contiguous()
-        parts = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(parts, local, group=gloo)
-        return torch.cat(parts)[: t.shape[0]].reshape(t.shape)
-
+    gathered = _exact_gather(world)
     truth = {name: gathered(p) for name, p in model.named_parameters()}
     moments = {name: gathered(opt.state[p]["exp_avg"]) for name, p in model.named_parameters()}
     # with cpu_offload, rank 0 holds the full state dicts (the others get empty ones)
@@ -204,6 +212,44 @@ def test_state_dicts_and_checkpoints_are_exact(tmp_path):
         assert r["full_tensor"], "DTensor.full_tensor() lost precision"
         assert r["dcp"], "DCP round trip lost precision"
         assert r["gathers_after"] == r["trained"], "a state-dict gather was compressed"
+
+
+def _compiled_purpose_body(rank, world):
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.tensor import Replicate
+
+    model = _fsdp2()
+    model(torch.randn(8, 256)).square().mean().backward()  # compressed training calls
+    truth = _exact_gather(world)
+    before = qcomm.stats()["all_gather"].calls_compressed
+    full = torch.compile(lambda p: p.full_tensor() + 0)  # Inductor
+    replicate = torch.compile(lambda p: p.redistribute(p.device_mesh, [Replicate()])
+                              .to_local() * 1, backend="aot_eager")
+    res = {}
+    for name, p in model.named_parameters():
+        res[f"full_tensor {name}"] = torch.equal(full(p.data), truth(p))
+        res[f"redistribute {name}"] = torch.equal(replicate(p.data), truth(p))
+    res["dtensor_compressed"] = qcomm.stats()["all_gather"].calls_compressed - before
+    # and compile alone sends nothing exact: a functional all-gather on the group
+    # itself, compiled, still compresses
+    gather = torch.compile(lambda t: funcol.all_gather_tensor(t, 0, dist.group.WORLD) + 0)
+    out = gather(make(rank, 4096))
+    res["funcol_compressed"] = qcomm.stats()["all_gather"].calls_compressed - before
+    res["funcol_err"] = ((out - torch.cat([make(r, 4096) for r in range(world)])).norm()
+                         / out.norm()).item()
+    return res
+
+
+def test_dtensor_redistribution_is_exact_under_compile():
+    """DTensor.full_tensor() and redistribute(Replicate) inside torch.compile (no Python
+    frame of DTensor is left when the collective runs) stay bit for bit exact: they
+    reach the group's exact twin by name; a compiled functional all-gather on the group
+    itself compresses."""
+    for r in run_ranks(_compiled_purpose_body, 2, timeout=240):
+        flags = {k: v for k, v in r.items() if k.startswith(("full", "redis"))}
+        assert flags and all(flags.values()), r
+        assert r["dtensor_compressed"] == 0, r
+        assert r["funcol_compressed"] == 1 and 0 < r["funcol_err"] < 0.02, r
 
 
 def _mesh_body(rank, world):
@@ -241,7 +287,7 @@ def test_purpose_names_the_caller():
     for desc in ("mesh_dp", "mesh_dp_shard_cp", "mesh_replicate", "mesh_rep", "mesh_shard",
                  "mesh_dim_0", "default_pg"):
         assert purpose.mesh_dim_reason(desc) is None, desc
-    state = qcomm.driver.GroupState(CommConfig())
+    state = qcomm.driver.GroupState(CommConfig(), None)
     assert purpose.may_compress(state)
     with purpose.exact():
         assert not purpose.may_compress(state)
