@@ -26,8 +26,8 @@ every rank has already agreed on: the history of calls that passed the descripto
 identical on every rank. :class:`Envelope` predicts the next call from that history:
 training repeats one step's sequence of calls (an FSDP2 step: one all-gather per module
 in forward and backward, one reduce-scatter per module), so once the history ends with
-one full repetition of a period P, the next call is the one P calls back, and the room
-is exactly that call's body: a predicted call rides with no padding at all. Until a
+a repetition of a period P (:func:`window`), the next call is the one P calls back, and
+the room is exactly that call's body: a predicted call rides with no padding at all. Until a
 period is confirmed, and for a call whose body is 0 (too big to ride, two-level), the
 room is 0: a bare 48-byte descriptor. A call that does not match the prediction sends
 the room it was given (zeros where its payload would not fit) and its payloads on their
@@ -104,18 +104,26 @@ class Envelope:
                            or k == key}
 
     def _find_period(self, key: bytes) -> int:
-        """The smallest p (a distance back to an earlier call of ``key``) whose last two
-        repetitions agree, ``keys[-p:] == keys[-2p:-p]``; 0 if none. A period of 1 needs
-        three equal calls in a row."""
+        """The smallest p (a distance back to an earlier call of ``key``) whose last
+        :func:`window` calls repeat the ones p before them; 0 if none."""
         keys = self.keys
         now = self.start + len(keys) - 1
         for call in reversed(self.seen.get(key, ())):
             p = now - call
-            if p > MAX_PERIOD or 2 * p > len(keys):
+            v = window(p)
+            if p > MAX_PERIOD or p + v > len(keys):
                 break
-            if keys[-p:] == keys[-2 * p:-p] and (p > 1 or keys[-3:-2] == [key]):
+            if keys[-v:] == keys[-p - v:-p]:
                 return p
         return 0
+
+
+def window(period: int) -> int:
+    """Calls that must repeat for a period to count: at least 8 (a period of 1 needs 8
+    equal calls in a row, so 4 identical FSDP blocks do not pass for one), one full
+    repetition up to 32, and 32 for longer periods (a step of 300 calls that an eval
+    step interrupted is found again within 32 calls, not two steps)."""
+    return min(max(period, 8), 32)
 
 
 class Exchange:

@@ -198,29 +198,37 @@ def _wire_body(rank, world):
     ar = packed_nbytes(chunk, cfg.all_reduce)
     rec = Recorder(dist.group.WORLD)
     pg = qcomm.QcommProcessGroup(rec, cfg, owns_inner=False)
-    got = [_three_calls(pg, rank, world, n) for _ in range(3)]
-    # Rounds 1 and 2: no period agreed yet, so each descriptor goes bare (an all-to-all
-    # of 48-byte rows) and the payloads follow on their own; from round 3 the history
-    # ends with one full repetition of the three calls, and each payload rides in its
-    # envelope: one exchange a call, no padding (the all-reduce's gather as before).
+    rounds = 5
+    got = [_three_calls(pg, rank, world, n) for _ in range(rounds)]
+    # Until the agreed history ends with a repetition of a period (the 3 calls, over at
+    # least 8 calls: 11 calls agreed), each descriptor goes bare (an all-to-all of
+    # 48-byte rows) and the payloads follow on their own; from then on each payload
+    # rides in its envelope: one exchange a call, no padding (the all-reduce's gather as
+    # before).
     expected = [("all_gather", CONFIG_NBYTES)]  # a wrapped group's config agreement, once
-    for _ in range(2):
-        for payload in (("all_gather", ag), ("all_to_all", world * rs),
-                        ("all_to_all", world * ar)):
-            expected += [("all_to_all", world * DESC_NBYTES), payload]
-        expected.append(("all_gather", ar))
-    expected += [("all_to_all", world * (DESC_NBYTES + body)) for body in (ag, rs, ar)]
-    expected.append(("all_gather", ar))
+    bodies = (("all_gather", ag), ("all_to_all", rs), ("all_to_all", ar))
+    riding = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    for i in range(3 * rounds):
+        kind, (op, body) = ("all_gather", "reduce_scatter", "all_reduce")[i % 3], bodies[i % 3]
+        if i >= 11:
+            expected.append(("all_to_all", world * (DESC_NBYTES + body)))
+            riding[kind] += 1
+        else:
+            expected += [("all_to_all", world * DESC_NBYTES),
+                         (op, body if op == "all_gather" else world * body)]
+        if kind == "all_reduce":
+            expected.append(("all_gather", ar))
     assert rec.sent == expected, (rec.sent, expected)
+    assert riding == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
     # every byte handed to the inner group for peers is counted, control included
     s = qcomm.stats(pg)
     assert sum(v.wire_bytes for v in s.values()) == rec.to_peers
-    assert s["all_gather"].wire_bytes == (world - 1) * (
-        CONFIG_NBYTES + 3 * DESC_NBYTES + 3 * ag)
-    assert s["all_gather"].control_bytes == (world - 1) * (CONFIG_NBYTES + 3 * DESC_NBYTES)
-    assert s["reduce_scatter"].wire_bytes == (world - 1) * 3 * (DESC_NBYTES + rs)
-    assert s["all_reduce"].wire_bytes == (world - 1) * 3 * (DESC_NBYTES + 2 * ar)
-    assert s["all_gather"].logical_bytes == 3 * (world - 1) * n * 4
+    desc = rounds * DESC_NBYTES  # one descriptor a call, to each peer
+    assert s["all_gather"].wire_bytes == (world - 1) * (CONFIG_NBYTES + desc + rounds * ag)
+    assert s["all_gather"].control_bytes == (world - 1) * (CONFIG_NBYTES + desc)
+    assert s["reduce_scatter"].wire_bytes == (world - 1) * rounds * (DESC_NBYTES + rs)
+    assert s["all_reduce"].wire_bytes == (world - 1) * rounds * (DESC_NBYTES + 2 * ar)
+    assert s["all_gather"].logical_bytes == rounds * (world - 1) * n * 4
     assert s["all_gather"].ratio == s["all_gather"].logical_bytes / s["all_gather"].wire_bytes
     # ...and the riding calls deliver what the two-exchange calls do, bit for bit (a
     # fresh group of the same config: the same seeds call by call), envelope shut
@@ -229,15 +237,15 @@ def _wire_body(rank, world):
     cap = E.ENVELOPE_ROOM_MAX
     E.ENVELOPE_ROOM_MAX = 0
     try:
-        want = [_three_calls(pg2, rank, world, n) for _ in range(3)]
+        want = [_three_calls(pg2, rank, world, n) for _ in range(rounds)]
     finally:
         E.ENVELOPE_ROOM_MAX = cap
     assert [size for op, size in rec2.sent if op == "all_to_all"].count(
-        world * DESC_NBYTES) == 9, rec2.sent
+        world * DESC_NBYTES) == 3 * rounds, rec2.sent
     for a, b in zip(sum(got, []), sum(want, []), strict=True):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
     # the envelopes byte for byte: row j = the descriptor, then the payload for rank j
-    # that the two-exchange call sent on its own (round 3, the same call indices)
+    # that the two-exchange call sent on its own (the last round, the same call indices)
     ag_env, rs_env = (rec.bytes[i].view(world, -1) for i in (-4, -3))
     desc_ag, payload_ag = rec2.bytes[-7], rec2.bytes[-6]
     desc_rs, slots_rs = rec2.bytes[-5].view(world, -1), rec2.bytes[-4].view(world, -1)

@@ -158,3 +158,57 @@ def test_fsdp2_bytes_handed_to_the_inner_groups_are_the_stats(layout):
         assert r["control"] < 0.1 * r["wire"], r
         if layout == "flat":  # under the codec's 3.97x at 8 bits: control, an exact module
             assert 3.0 < r["logical"] / r["wire"] < 3.97, r
+
+
+def _rooms(calls, envelope=None):
+    """The room the envelope gives each of ``calls`` ((key, body) pairs), in order."""
+    from qcomm.envelope import Envelope
+
+    envelope = envelope or Envelope()
+    rooms = []
+    for key, body in calls:
+        rooms.append(envelope.room())
+        envelope.agreed(key.encode(), body)
+    return rooms
+
+
+def test_envelope_room_follows_the_confirmed_period():
+    """Nothing rides until the history ends with a repetition of a period (a full one,
+    and at least 8 calls); then each call gets exactly the body of the call one period
+    back: a repeated step of calls rides with no padding."""
+    same = [("a", 100)] * 10
+    assert _rooms(same) == [0] * 9 + [100]
+    step = [("ag", 10), ("ag", 10), ("rs", 30), ("big", 0)]
+    rooms = _rooms(step * 4)
+    assert rooms[:12] == [0] * 12, rooms  # 4 + the 8 that confirm it
+    assert rooms[12:] == [10, 10, 30, 0], rooms
+
+
+def test_envelope_room_after_a_break_and_with_repeated_blocks():
+    """An FSDP2-like step (root gather, four blocks' gathers alike, then backward's
+    gathers and reduce-scatters) rides from its third repetition, every call on its own
+    body; an eval step in between (forward gathers only) costs a call or two's room,
+    and the period is found again within the step after it."""
+    train = [("R", 5)] + [("L", 7)] * 4 + [("L", 7), ("RS", 9)] * 4 + [("RSR", 3)]
+    evaluation = [("R", 5)] + [("L", 7)] * 4
+    calls = train * 3 + evaluation + train * 3
+    rooms = _rooms(calls)
+    bodies = [b for _, b in calls]
+    n = len(train)
+    assert rooms[2 * n + 1:3 * n] == bodies[2 * n + 1:3 * n], rooms[2 * n:3 * n]
+    misses = [i for i, (r, b) in enumerate(zip(rooms, bodies, strict=True)) if r and r != b]
+    # the eval step's first call, and one in the second step after it (the period that
+    # spans the eval step holds for one step)
+    assert len(misses) <= 3 and all(3 * n <= i < len(calls) - n for i in misses), misses
+    assert rooms[-n:] == bodies[-n:], rooms[-n:]  # then rides in full
+
+
+def test_envelope_history_stays_bounded():
+    from qcomm.envelope import MAX_PERIOD, Envelope
+
+    envelope = Envelope()
+    for i in range(10 * MAX_PERIOD):
+        envelope.agreed(str(i % 7).encode(), 16)
+    assert envelope.period == 7 and envelope.room() == 16
+    assert len(envelope.keys) <= 4 * MAX_PERIOD
+    assert sum(len(v) for v in envelope.seen.values()) <= 4 * MAX_PERIOD
