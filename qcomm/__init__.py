@@ -2,7 +2,9 @@
 
 ``import qcomm`` registers the ``"qcomm"`` torch.distributed backend; the codec
 (:func:`quantize`, :func:`dequantize`, :func:`packed_nbytes`) works on its own.
-``import qcomm.fsdp`` adds FSDP2's per-module weight differences and error feedback.
+``import qcomm.fsdp`` adds FSDP2's comm hooks (:func:`qcomm.fsdp.compress`, compression
+without swapping the process group) and per-module weight differences and error
+feedback; :func:`ddp_comm_hook` is DDP's.
 """
 
 __version__ = "0.1.0"
@@ -19,6 +21,7 @@ from .codec import (  # noqa: E402
 )
 from .collectives import all_gather_into_tensor, all_reduce, reduce_scatter_tensor  # noqa: E402
 from .config import CommConfig, QuantConfig, comm_config_from_env  # noqa: E402
+from .ddp import ddp_comm_hook  # noqa: E402
 from .layout import packed_nbytes  # noqa: E402
 from .process_group import QcommProcessGroup, register, wrap  # noqa: E402
 from .purpose import exact  # noqa: E402
@@ -35,6 +38,7 @@ __all__ = [
     "all_gather_into_tensor",
     "all_reduce",
     "comm_config_from_env",
+    "ddp_comm_hook",
     "dequantize",
     "dequantize_rows",
     "dequantize_sum",

@@ -164,20 +164,26 @@ _plain_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _plain_lock = threading.Lock()
 
 
-def group_state(group) -> GroupState:
+def group_state(group, config: CommConfig | None = None) -> GroupState:
     """The state of ``group`` (None: the default group); created on first use for
-    plain groups, with the config of the ``QCOMM_*`` environment variables."""
+    plain groups, with ``config`` or else the config of the ``QCOMM_*`` environment
+    variables. A ``config`` other than the one an existing state holds is a
+    ValueError naming both (the hook route's :func:`qcomm.fsdp.compress` sets it)."""
     group = I.default(group)
     state = getattr(group, "_qcomm_state", None)
-    if state is not None:
-        return state
-    with _plain_lock:
-        state = _plain_states.get(group)
-        if state is None:
-            state = _plain_states[group] = GroupState(comm_config_from_env(), group,
-                                                      connect=True)
-            state.subgroups = plain_subgroups(group)
-        return state
+    if state is None:
+        with _plain_lock:
+            state = _plain_states.get(group)
+            if state is None:
+                state = _plain_states[group] = GroupState(
+                    comm_config_from_env() if config is None else config, group,
+                    connect=True)
+                state.subgroups = plain_subgroups(group)
+                return state
+    if config is not None and config != state.config:
+        raise ValueError(f"qcomm: the group already runs {state.config!r}; asked for "
+                         f"{config!r} (one config per group)")
+    return state
 
 
 def inner_of(group):

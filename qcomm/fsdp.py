@@ -62,11 +62,12 @@ import torch
 import torch.distributed as dist
 
 from . import collectives as C
-from . import driver
+from . import driver, handshake
 from . import inner as I
 from .codec import dequantize_rows, quantize_rows, update_state_rows
-from .config import QuantConfig
+from .config import CommConfig, QuantConfig
 from .layout import HEADER_NBYTES, meta_nbytes, packed_nbytes
+from .process_group import QcommProcessGroup
 
 try:  # torch >= 2.9
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGatherBase
@@ -331,7 +332,8 @@ def fsdp_modules(module: torch.nn.Module, include=None) -> list:
             and (include is None or include(name, m))]
 
 
-def _install(fn: str, setter: str, module: torch.nn.Module, include, make) -> list:
+def _modules(fn: str, setter: str, module: torch.nn.Module, include) -> list:
+    """The FSDP modules ``fn`` installs on; a clear error where there are none."""
     if include is not None and not callable(include):
         raise TypeError(f"{fn}: include must be a callable (name, module) -> bool, got "
                         f"{include!r}")
@@ -343,11 +345,122 @@ def _install(fn: str, setter: str, module: torch.nn.Module, include, make) -> li
     if not hasattr(mods[0], setter):
         raise RuntimeError(f"{fn} needs FSDPModule.{setter} (torch >= 2.9); this is torch "
                            f"{torch.__version__}")
+    return mods
+
+
+def _install(fn: str, setter: str, module: torch.nn.Module, include, make) -> list:
+    mods = _modules(fn, setter, module, include)
     comms = []
     for m in mods:
         comms.append(make())
         getattr(m, setter)(comms[-1])
     return comms
+
+
+# ---------------------------------------------------------------------------------
+# The hook route: FSDP2's own comm hooks over the group FSDP already uses
+
+
+class CompressedAllGather(_AllGatherBase):
+    """FSDP2's all-gather through qcomm's driver on FSDP's own group (a plain gloo or
+    NCCL group: its qcomm state holds the config, seeds, stats and connections of its
+    own; :func:`compress`)."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, async_op: bool = False):
+        return C.all_gather_into_tensor(output_tensor, input_tensor, group,
+                                        async_op=async_op)
+
+
+class CompressedReduceScatter(_ReduceScatterBase):
+    """FSDP2's reduce-scatter through qcomm's driver on FSDP's own group
+    (:func:`compress`)."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op=dist.ReduceOp.SUM, async_op: bool = False):
+        return C.reduce_scatter_tensor(output_tensor, input_tensor, op, group,
+                                       async_op=async_op)
+
+
+class Compression:
+    """What :func:`compress` installed: ``remove()`` puts FSDP's own comms back."""
+
+    def __init__(self, installed: list, groups: list) -> None:
+        self.installed = installed  # (module, previous all-gather, previous reduce-scatter)
+        self.groups = groups  # the groups whose calls now go through qcomm
+
+    def remove(self) -> None:
+        for module, all_gather, reduce_scatter in self.installed:
+            module.set_custom_all_gather(all_gather)
+            module.set_custom_reduce_scatter(reduce_scatter)
+        self.installed = []
+
+
+def _param_groups(module) -> list:
+    state = module._get_fsdp_state()
+    return list(getattr(state, "_fsdp_param_groups", None)
+                or [state._fsdp_param_group])
+
+
+def compress(module: torch.nn.Module, config: CommConfig | None = None, *,
+             include=None) -> Compression:
+    """Compress FSDP2's all-gathers and reduce-scatters of every FSDP module in
+    ``module`` (or those ``include(name, module)`` accepts), after ``fully_shard``,
+    over the group FSDP already uses (NCCL or gloo, unchanged): FSDP2's own comm hooks
+    (``set_custom_all_gather`` / ``set_custom_reduce_scatter``, torch >= 2.9) call
+    qcomm's driver, with everything the backend route has (the group's topology, exact
+    inside a node; seeds; stats: ``qcomm.stats(group)``; bad-input handling; connections
+    of its own). Everything else (the optimizer, checkpoints, DTensor, the user's own
+    collectives) stays on the native group, exact, with no qcomm code on its path.
+
+    ``config``: the group's :class:`~qcomm.CommConfig` (default: ``QCOMM_*``). Call on
+    every rank (the group's config and nodes are agreed here, once). Compose with
+    :func:`quantize_weight_deltas` / :func:`feed_back_gradient_errors` by calling them
+    after: their all-gathers or reduce-scatters replace these for their modules.
+    Returns a :class:`Compression`; ``remove()`` undoes it. HSDP's replicate all-reduce
+    is not covered (torch's ``set_all_reduce_hook`` runs after it); use
+    ``init_device_mesh(..., backend_override={"replicate": "qcomm"})`` for it."""
+    if config is not None and not isinstance(config, CommConfig):
+        raise TypeError(f"compress: config must be a qcomm.CommConfig or None, got {config!r}")
+    mods = _modules("compress", "set_custom_all_gather", module, include)
+    groups, installed = [], []
+    for m in mods:
+        param_groups = _param_groups(m)
+        if len(param_groups) != 1:
+            raise ValueError(f"compress: FSDP module {type(m).__name__} has "
+                             f"{len(param_groups)} parameter groups; torch takes custom comms "
+                             "only for one (no shard_placement_fn with several meshes)")
+        pg = param_groups[0]
+        for group in (pg._all_gather_process_group, pg._reduce_scatter_process_group):
+            if all(group is not g for g in groups):
+                groups.append(group)
+        installed.append((m, pg._all_gather_comm, pg._reduce_scatter_comm))
+    for group in groups:
+        if isinstance(group, QcommProcessGroup):
+            raise ValueError("compress: FSDP's group is already a qcomm group (the backend "
+                             "route); its calls compress without hooks")
+        state = driver.group_state(group, config)
+        device = torch.device(_device_type(mods[0]))
+        handshake.ensure_agreed(group, state, "all_gather", device)
+    for m, _, _ in installed:
+        m.set_custom_all_gather(CompressedAllGather())
+        m.set_custom_reduce_scatter(CompressedReduceScatter())
+    return Compression(installed, groups)
+
+
+def _device_type(module) -> str:
+    mesh = _param_groups(module)[0].mesh_info.mesh
+    if mesh.device_type == "cuda":
+        return f"cuda:{torch.cuda.current_device()}"
+    return mesh.device_type
 
 
 def quantize_weight_deltas(module: torch.nn.Module, config: QuantConfig | None = None, *,

@@ -5,23 +5,24 @@ expected size") when a peer sends more bytes than this rank expects, and silentl
 the tail unwritten when it sends fewer. Payload sizes follow from (numel, dtype,
 config), and whether a call is compressed at all from the config, so ranks must agree
 on both. Four checks, each raising ``ValueError`` naming the field and both ranks'
-values, with the outputs unwritten and the group usable:
+values. The first three find a disagreement before any payload moves, on every rank
+alike (:class:`Refused`): the outputs stay unwritten and the group usable. The fourth
+runs after the payloads moved: the group fails for good (:mod:`qcomm.driver`).
 
 1. **At creation** (:func:`check_at_creation`): groups made by ``init_process_group``
    / ``new_group`` compare their :class:`~qcomm.CommConfig` through the store.
 2. **At the first collective** (:func:`ensure_agreed`): groups made by ``qcomm.wrap``
    and plain groups used through the direct calls all-gather a config fingerprint once.
-3. **Every compressed call on a CPU group** (:func:`start_descriptor_check`): the ranks
-   all-gather a 48-byte descriptor (size, dtype, config, collective, op, call index;
-   drawn in qcomm/layout.py), started before the quantize so its latency hides behind
-   the codec, and compare it before the payload exchange. Measured (2 ranks, loopback,
-   2 busy cores): a 48-byte gloo all-gather costs ~0.5 ms against ~1.4 ms for a
-   compressed all-gather of 1024 fp32 and ~57 ms of 2^20. A check only on the first
-   call per shape would be unsound: a rank that has seen its shape skips it while a rank
-   on a new shape does not, and the mismatched messages abort gloo just the same. CUDA
-   groups skip it (comparing on the host would synchronize the stream every call).
-   A small one-piece call's payloads ride in the same exchange (the *envelope*,
-   :class:`Envelope`): one exchange a call instead of two.
+3. **Every compressed call on a CPU group** (:func:`start_descriptor_check`): each rank
+   sends every peer a 48-byte descriptor (size, dtype, config, collective, op, call
+   index; drawn in qcomm/layout.py) and compares those it receives before the payloads
+   move. A check only on the first call per shape would be unsound: a rank that has
+   seen its shape skips it while a rank on a new shape does not, and the mismatched
+   messages abort gloo just the same. The descriptors travel in an envelope
+   (:mod:`qcomm.envelope`, the transport): a small call's payloads ride in the same
+   exchange, a call that does not ride starts it before its quantize so its latency
+   hides behind the codec. CUDA groups skip it (comparing on the host would synchronize
+   the stream every call).
 4. **Every received payload's header** (:func:`check_received`), on CUDA once per shape.
 """
 

@@ -37,10 +37,11 @@
 The header makes every payload self-describing: a receiver checks it against what it
 expects and names any mismatch instead of decoding garbage.
 
-The call descriptor: before a compressed call's payloads move, the ranks of a CPU group
-all-gather one fixed-size descriptor each and compare them (qcomm/handshake.py), so
-ranks that disagree on the size, dtype, config, collective, op or call index get an
-error instead of mismatched messages (gloo aborts the process on those)::
+The call descriptor: before a compressed call's payloads move (or with them:
+qcomm/envelope.py), every rank of a CPU group sends each peer one fixed-size descriptor
+and compares those it receives (qcomm/handshake.py), so ranks that disagree on the size,
+dtype, config, collective, op or call index get an error instead of mismatched messages
+(gloo aborts the process on those)::
 
     offset 0                    32     33     34           40                48
     +---------------------------+------+------+------------+-----------------+

@@ -1,0 +1,151 @@
+"""The hook route: FSDP2's custom comms (qcomm.fsdp.compress) and DDP's comm hook
+(qcomm.ddp_comm_hook) over a plain gloo group, beside the backend route ("qcomm"
+groups), 2 ranks as two nodes. The same driver runs both, so FSDP2 trains to the same
+losses with the same payload bytes; everything else stays on the plain group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from conftest import run_ranks
+
+import qcomm
+import qcomm.fsdp
+from qcomm.demo import VOCAB, TinyLM, batch
+from qcomm.handshake import CONFIG_NBYTES
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+
+
+def _fsdp2(group, compile_blocks=False):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = TinyLM(64)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    for i, layer in enumerate(model.layers):
+        fully_shard(layer, mesh=mesh)
+        if compile_blocks:  # torchtitan's layout: each block compiled, FSDP's hooks eager
+            model.layers[i] = torch.compile(layer, backend="aot_eager")
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _train(model, rank, steps=STEPS):
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(steps):
+        x, y = batch(rank, step)
+        loss = nn.functional.cross_entropy(model(x).view(-1, VOCAB), y.view(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _totals(group):
+    s = qcomm.stats(group)
+    return {"logical": sum(v.logical_bytes for v in s.values()),
+            "wire": sum(v.wire_bytes for v in s.values()),
+            "control": sum(v.control_bytes for v in s.values()),
+            "compressed": {k: v.calls_compressed for k, v in s.items()},
+            "exact": sum(v.calls_exact for v in s.values())}
+
+
+def _fsdp2_body(rank, world):
+    backend_group = dist.new_group(backend="qcomm")
+    res = {"backend": _train(_fsdp2(backend_group), rank), "b": _totals(backend_group)}
+    plain = dist.new_group(backend="gloo")
+    model = _fsdp2(plain)
+    handle = qcomm.fsdp.compress(model)
+    res["hook"], res["h"] = _train(model, rank), _totals(plain)
+    # everything else stays native and exact: full_tensor, the user's own collective
+    p = next(model.parameters())
+    full = p.full_tensor()
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=plain)
+    res["untouched"] = _totals(plain) == res["h"] and t.item() == sum(range(world))
+    parts = [torch.empty_like(p.to_local()) for _ in range(world)]
+    dist.all_gather(parts, p.to_local().contiguous(), group=plain)
+    res["full_exact"] = torch.equal(full, torch.cat(parts)[: p.shape[0]])
+    # undone: FSDP's own comms again, qcomm sees nothing more
+    handle.remove()
+    _train(model, rank, steps=1)
+    res["after_remove"] = _totals(plain) == res["h"]
+    # per-block compiled FSDP2: FSDP's hooks stay eager, every collective compresses
+    plain2 = dist.new_group(backend="gloo")
+    model = _fsdp2(plain2, compile_blocks=True)
+    qcomm.fsdp.compress(model)
+    res["compiled"], res["c"] = _train(model, rank), _totals(plain2)
+    return res
+
+
+def test_fsdp2_compress_matches_the_backend_route():
+    for r in run_ranks(_fsdp2_body, 2, backend="gloo", timeout=240):
+        b, h, c = r["b"], r["h"], r["c"]
+        assert b["compressed"]["all_gather"] > 0 and b["compressed"]["reduce_scatter"] > 0
+        # the same driver, config and call order: the same seeds, the same losses, the
+        # same payload bytes; the hook route's group agrees on its config once, in-band
+        assert r["hook"] == r["backend"], (r["hook"], r["backend"])
+        assert h["compressed"] == b["compressed"] and h["logical"] == b["logical"], (h, b)
+        assert h["wire"] - h["control"] == b["wire"] - b["control"], (h, b)
+        assert h["control"] - b["control"] == (2 - 1) * CONFIG_NBYTES, (h, b)
+        assert r["untouched"] and r["full_exact"] and r["after_remove"], r
+        # compiled blocks: every FSDP collective still through qcomm, at the eager loss
+        assert c["compressed"] == h["compressed"], (c, h)
+        for a, e in zip(r["compiled"], r["hook"], strict=True):
+            assert abs(a - e) <= 0.02 * abs(e), (r["compiled"], r["hook"])
+
+
+def _ddp_body(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    res = {}
+    for route in ("backend", "hook", "exact"):
+        group = dist.new_group(backend="qcomm" if route == "backend" else "gloo")
+        torch.manual_seed(0)
+        ddp = DDP(TinyLM(64), process_group=group)
+        if route == "hook":
+            ddp.register_comm_hook(group, qcomm.ddp_comm_hook)
+        res[route] = _train(ddp, rank)
+        res[route + "_totals"] = _totals(group)
+    # exact for what must be: a float64 bucket's all-reduce goes exact, bit for bit
+    torch.manual_seed(0)
+    group = dist.new_group(backend="gloo")
+    ddp = DDP(nn.Linear(64, 64).double(), process_group=group)
+    ddp.register_comm_hook(group, qcomm.ddp_comm_hook)
+    ddp(torch.randn(4, 64, dtype=torch.float64) * (rank + 1)).sum().backward()
+    res["f64"] = ddp.module.weight.grad.clone()
+    res["f64_totals"] = _totals(group)
+    return res
+
+
+def test_ddp_comm_hook_matches_the_backend_route():
+    results = run_ranks(_ddp_body, 2, backend="gloo", timeout=240)
+    for r in results:
+        hook, backend = r["hook_totals"], r["backend_totals"]
+        assert hook["compressed"]["all_reduce"] > 0, hook
+        assert hook["compressed"] == backend["compressed"], (hook, backend)
+        # the same payload bytes; the backend route also sees DDP's own small exact
+        # all-reduces, which the hook route leaves on the plain group
+        extra = backend["logical"] - hook["logical"]
+        assert 0 <= extra < 1024 and backend["exact"] >= hook["exact"], (hook, backend)
+        assert hook["wire"] - hook["control"] == backend["wire"] - backend["control"] - extra
+        assert r["exact_totals"]["compressed"]["all_reduce"] == 0
+        for a, b, e in zip(r["hook"], r["backend"], r["exact"], strict=True):
+            assert abs(a - e) <= 0.02 * abs(e) and abs(b - e) <= 0.02 * abs(e), r
+    # float64 buckets went exact: every rank holds the same averaged gradients
+    f64 = results[0]["f64_totals"]
+    assert f64["compressed"]["all_reduce"] == 0 and f64["exact"] > 0, f64
+    assert torch.equal(results[0]["f64"], results[1]["f64"])
+
+
+def test_ddp_comm_hook_refuses_a_bad_state():
+    with pytest.raises(TypeError, match="state must be None, a qcomm.QuantConfig"):
+        qcomm.ddp_comm_hook("8bit", None)
