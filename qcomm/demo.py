@@ -70,10 +70,16 @@ def train_fsdp2(mesh, steps: int, dim: int) -> list[float]:
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    return train(model, dist.get_rank(), steps)
+
+
+def train(model: nn.Module, rank: int, steps: int, lr: float = 3e-3) -> list[float]:
+    """``steps`` Adam steps of ``model`` (a TinyLM, wrapped any way) on ``rank``'s
+    batches; the losses."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
-        x, y = batch(dist.get_rank(), step)
+        x, y = batch(rank, step)
         loss = nn.functional.cross_entropy(model(x).view(-1, VOCAB), y.view(-1))
         loss.backward()
         opt.step()

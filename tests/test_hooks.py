@@ -13,7 +13,7 @@ from conftest import run_ranks
 
 import qcomm
 import qcomm.fsdp
-from qcomm.demo import VOCAB, TinyLM, batch
+from qcomm.demo import TinyLM, train
 from qcomm.handshake import CONFIG_NBYTES
 
 pytestmark = pytest.mark.slow
@@ -37,16 +37,7 @@ def _fsdp2(group, compile_blocks=False):
 
 
 def _train(model, rank, steps=STEPS):
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    losses = []
-    for step in range(steps):
-        x, y = batch(rank, step)
-        loss = nn.functional.cross_entropy(model(x).view(-1, VOCAB), y.view(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train(model, rank, steps)
 
 
 def _totals(group):

@@ -194,11 +194,10 @@ def _dying_body(rank, world, where):
 
 
 def _fsdp2_steps(rank, steps):
-    import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from qcomm.demo import VOCAB, TinyLM, batch
+    from qcomm.demo import TinyLM, train
 
     torch.manual_seed(0)
     model = TinyLM()
@@ -206,13 +205,7 @@ def _fsdp2_steps(rank, steps):
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for step in range(steps):
-        x, y = batch(rank, step)
-        loss = nn.functional.cross_entropy(model(x).view(-1, VOCAB), y.view(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    train(model, rank, steps, lr=1e-3)
 
 
 @pytest.mark.parametrize("where,world", [("all_gather", 2), ("reduce_scatter", 3),
