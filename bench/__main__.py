@@ -9,6 +9,7 @@
     python -m bench memory                      # peak RSS: FSDP2 vs qcomm.fsdp's state
     python -m bench launches                    # codec calls and launches per collective
     python -m bench wire                        # FSDP2's bytes as the network interface counts them
+    python -m bench breakeven                   # W ranks simulated: the fastest link compression pays on
 
 Nodes (qcomm's topology): every self-launched rank is told its node (QCOMM_NODE);
 without --nodes each loopback rank is a node of its own and each --link namespace one.
@@ -27,7 +28,8 @@ import sys
 
 import torch
 
-from . import codec, collectives, common, launches, memory, overlap, rows, train, wire
+from . import (breakeven, codec, collectives, common, launches, memory, overlap, rows, train,
+               wire)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -37,7 +39,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="what", required=True)
     for name, module in (("codec", codec), ("rows", rows), ("collectives", collectives),
                          ("overlap", overlap), ("train", train), ("memory", memory),
-                         ("launches", launches), ("wire", wire)):
+                         ("launches", launches), ("wire", wire), ("breakeven", breakeven)):
         summary = " ".join(module.__doc__.split("\n\n")[0].split()).split(": ", 1)[-1]
         q = sub.add_parser(name, help=summary,
                            description=module.__doc__,

@@ -78,6 +78,9 @@ def _sequence(device: torch.device) -> dict[str, torch.Tensor]:
 
 def _worker(rank, store_path, device_type, env, results):
     try:
+        # each rank a node of its own: ranks of one host are one node, which qcomm's
+        # topology sends exact (the 2026-12-04 lease's run compressed nothing)
+        os.environ.setdefault("QCOMM_NODE", f"node{rank}")
         os.environ.update(env)
         torch.set_num_threads(1)
         import torch.distributed as dist

@@ -1,44 +1,63 @@
 #!/usr/bin/env bash
-# Everything qcomm checks and times on a lent GPU machine, in about 8 minutes
-# (the lease is 15 minutes, start included). Run from the repository root:
+# Everything qcomm checks and times on a lent GPU machine, in one call of at most ~8
+# minutes (the lease is 15 minutes, start included). Run from the repository root:
 #
 #     OUT=/some/folder bash bench/device_check.sh
 #
 # Phases, each under its own time limit so one slow phase cannot lose the others:
-#   1. the Triton kernels on CUDA == the eager torch reference on CPU, byte for byte
-#      (tests/test_kernels.py; qcomm.fsdp's stateful collectives likewise), and, at the
-#      same time, the CPU suite on this machine's torch (not the CI's version) with CUDA
-#      hidden;
-#   2. the "qcomm" backend on CUDA tensors == on CPU tensors, bit for bit (bench.crossdevice);
-#      2b. torch's contracts on CUDA: device_id binding, native NCCL AVG/PREMUL_SUM,
-#      functional ops, async calls across streams (bench.cuda_contracts);
+#   1. the GPU test tier, `pytest -m gpu` (the Triton kernels on CUDA against the oracle,
+#      byte for byte, and the tests that need CUDA), and beside it the CPU suite's
+#      collective files on this machine's torch (not CI's) with CUDA hidden. pytest is
+#      interrupted with SIGINT at its limit, so it still prints its short summary, and
+#      writes -rf lines and JUnit XML: every failure is named even when cut;
+#   2. the "qcomm" backend on CUDA tensors == on CPU tensors, bit for bit, each rank its
+#      own node so that calls compress (bench.crossdevice: it fails a config that
+#      compressed nothing); 2b. torch's contracts on CUDA (bench.cuda_contracts);
 #      2c. codec calls, kernel launches and time per compressed call against the exact
 #      one, W = 1 over NCCL and W = 2 over gloo on CUDA tensors (bench launches);
-#   3. codec throughput: Triton and torch.compile of the reference next to a same-run copy
-#      (fp32, every scheme, 2/4/8 bits), then Triton alone for bf16/fp16;
-#      3c. a collective's codec per piece, one launch for all payloads (the row kernels)
-#      against one per payload, W = 2, 8, 16, and against a same-run copy of the bytes
-#      they move (bench rows), and qcomm.fsdp's fused state
-#      update against the three launches it replaces (bench rows --ops delta-update);
-#      3d. peak torch.cuda.max_memory_allocated of FSDP2 training, plain against
-#      qcomm.fsdp's state (bench memory --device cuda, world 1 on NCCL);
-#   4. the same for 1, 2 and 4 warps per bucket program (the kernels' one tuning knob).
-# Results and logs go to $OUT/results.tgz (re-packed after every phase) and $OUT/log.txt.
+#   3. codec throughput against a same-run copy: fp32 Triton and torch.compile, then
+#      bf16/fp16 Triton; 3c. the row kernels per piece (bench rows); 3d. peak GPU memory
+#      of FSDP2, plain against qcomm.fsdp's state, 2 ranks (gloo on one GPU, each rank a
+#      node: compressed).
+# WARPS=1 adds 4. the codec for 1, 2 and 4 warps per bucket program (~2.5 minutes more).
 #
-# The phases' time limits add up to ~15 minutes, and one device command runs at most 10:
-# PART=1 runs phases 1-2c (~6.7 minutes at most), PART=2 phases 3-4 (~9.5), each packing
-# its results as it goes; run them as two calls back to back (the machine stays warm).
-#
-# QUICK=1 runs a 3-minute subset (a second look within the same lease): the kernel tests,
-# the backend check for two configs, and Triton codec throughput for fp32 and bf16.
+# Output: $OUT/summary.txt (one line a phase: its exit code and verdict; the names of
+# failed tests), $OUT/log.txt, and $OUT/results.tgz (re-packed after every phase).
 set -u
 OUT=${OUT:-/tmp/qcomm-device-out}
 R=/tmp/qcomm-results
 mkdir -p "$OUT" "$R"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore::FutureWarning
 PY=${PY:-python3}
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
 log() { echo "== $(date +%T) $*"; }
 pack() { tar czf "$OUT/results.tgz" -C "$R" . ; }
+# verdict NAME EXIT [LOG]: one summary line; the failed tests a pytest log names
+verdict() {
+  local name=$1 code=$2 file=${3:-}
+  local word=ok
+  [ "$code" = 0 ] || word=FAILED
+  [ "$code" = 124 ] || [ "$code" = 130 ] && word="CUT (time limit)"
+  echo "$name: exit $code, $word" >> "$SUMMARY"
+  if [ -n "$file" ] && [ -f "$file" ]; then
+    grep -E "^(FAILED|ERROR) " "$file" | sed 's/^/    /' >> "$SUMMARY"
+    grep -E "^[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s" "$file" | tail -n 1 \
+      | sed 's/^/    /' >> "$SUMMARY"
+  fi
+}
+# run NAME LIMIT LOG CMD...: CMD under LIMIT seconds (SIGINT, then KILL 10 s later)
+run() {
+  local name=$1 limit=$2 file=$3
+  shift 3
+  timeout -s INT -k 10 "$limit" "$@" > "$file" 2>&1
+  local code=$?
+  echo "exit $code" >> "$file"
+  verdict "$name" "$code" "$file"
+  return 0
+}
+XDIST=""
+$PY -c "import xdist" 2>/dev/null && XDIST="-n 8"
 
 {
 log machine
@@ -51,95 +70,62 @@ $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . \
   || { echo "pip failed: linking kernels/ as qcomm/kernels instead"; ln -sfn ../kernels qcomm/kernels; }
 $PY -c "import qcomm, qcomm.kernels.quantize; print('qcomm', qcomm.__version__, 'from', qcomm.__file__)"
 
-if [ "${QUICK:-0}" = 1 ]; then
-  log "quick: kernels on CUDA vs reference"
-  timeout 70 $PY -m pytest -q --maxfail=10 -n 14 -p no:cacheprovider tests/test_kernels.py \
-    -k "not compiled_torch_path" > "$R/test_kernels_cuda.log" 2>&1
-  echo "exit $?" >> "$R/test_kernels_cuda.log"; tail -n 3 "$R/test_kernels_cuda.log"; pack
-  log "quick: qcomm backend, CUDA vs CPU tensors"
-  timeout 40 $PY -m bench.crossdevice --configs w8g8,w4g4-nuq --out "$R/crossdevice.json" \
-    > "$R/crossdevice.log" 2>&1
-  echo "exit $?" >> "$R/crossdevice.log"; tail -n 12 "$R/crossdevice.log"; pack
-  log "quick: codec, triton vs copy"
-  timeout -s INT 60 $PY -m bench codec --impls triton --dtypes float32,bfloat16 \
-    --schemes all --bits 2,4,8 --sizes 24..28:2 --out "$R/codec-quick" > "$R/codec-quick.log" 2>&1
-  echo "exit $?" >> "$R/codec-quick.log"; grep "^# triton\|exit" "$R/codec-quick.log"; pack
-  log done
-  exit 0
-fi
-
-if [ "${PART:-all}" != 2 ]; then
-log "phase 1: kernels on CUDA vs reference; CPU suite on this torch (parallel)"
-( timeout 170 $PY -m pytest -q --maxfail=10 -n 8 -p no:cacheprovider tests/test_kernels.py \
-    tests/test_rows.py tests/test_update_state.py \
-    "tests/test_weight_deltas.py::test_stateful_collectives_same_bits_on_cuda_and_cpu" \
-    > "$R/test_kernels_cuda.log" 2>&1; echo "exit $?" >> "$R/test_kernels_cuda.log" ) &
-( CUDA_VISIBLE_DEVICES= timeout 170 $PY -m pytest -q -n 6 -p no:cacheprovider \
-    tests/test_config.py tests/test_codec.py tests/test_collectives.py \
-    tests/test_process_group.py tests/test_contracts.py tests/test_fsdp.py \
-    tests/test_weight_deltas.py tests/test_train.py \
-    > "$R/test_cpu_suite_local_torch.log" 2>&1; echo "exit $?" >> "$R/test_cpu_suite_local_torch.log" ) &
+log "phase 1: the GPU tier (pytest -m gpu); the CPU collective tests on this torch (parallel)"
+run "1 gpu tier" 140 "$R/test_gpu.log" $PY -m pytest -q -m gpu $XDIST -rf -p no:cacheprovider \
+  --junitxml="$R/test_gpu.xml" tests/ &
+CUDA_VISIBLE_DEVICES= run "1 cpu suite, local torch" 140 "$R/test_cpu_local.log" \
+  $PY -m pytest -q -m "not gpu" ${XDIST:+-n 6} -rf -p no:cacheprovider --junitxml="$R/test_cpu_local.xml" \
+  tests/test_collectives.py tests/test_process_group.py tests/test_contracts.py \
+  tests/test_hooks.py tests/test_wire.py tests/test_topology.py &
 wait
-tail -n 4 "$R/test_kernels_cuda.log" "$R/test_cpu_suite_local_torch.log"
+tail -n 3 "$R/test_gpu.log" "$R/test_cpu_local.log"
 pack
 
-log "phase 2: qcomm backend, CUDA vs CPU tensors"
-timeout 60 $PY -m bench.crossdevice --out "$R/crossdevice.json" > "$R/crossdevice.log" 2>&1
-echo "exit $?" >> "$R/crossdevice.log"
-grep -v "^\s*return func\|FutureWarning" "$R/crossdevice.log" | tail -n 12
-pack
-
+log "phase 2: qcomm backend, CUDA vs CPU tensors, compressed"
+run "2 crossdevice" 45 "$R/crossdevice.log" $PY -m bench.crossdevice --out "$R/crossdevice.json"
+grep -v "^\s*return func\|FutureWarning" "$R/crossdevice.log" | tail -n 10
 log "phase 2b: torch's contracts on CUDA (device_id, NCCL ops, functional ops, streams)"
-timeout 90 $PY -m bench.cuda_contracts > "$R/cuda_contracts.log" 2>&1
-echo "exit $?" >> "$R/cuda_contracts.log"
-grep -v "^\s*return func\|FutureWarning" "$R/cuda_contracts.log" | tail -n 12
-pack
-
+run "2b cuda contracts" 45 "$R/cuda_contracts.log" $PY -m bench.cuda_contracts
+grep -v "^\s*return func\|FutureWarning" "$R/cuda_contracts.log" | tail -n 8
 log "phase 2c: codec calls, launches and time per call, W = 1 NCCL and W = 2 gloo (CUDA)"
-timeout 80 $PY -m bench launches --device cuda --worlds 1,2 --sizes 10..22:4 --iters 10 \
-  --no-plot --out "$R/launches" > "$R/launches.log" 2>&1
-echo "exit $?" >> "$R/launches.log"
-grep -v "^\s*return func\|FutureWarning" "$R/launches.log" | tail -n 30
+run "2c launches" 40 "$R/launches.log" $PY -m bench launches --device cuda --worlds 1,2 \
+  --sizes 10..22:4 --iters 10 --no-plot --out "$R/launches"
+tail -n 20 "$R/launches.log"
 pack
 
-fi
-if [ "${PART:-all}" != 1 ]; then
 log "phase 3a: codec fp32, triton vs torch.compile vs copy"
-timeout -s INT 150 $PY -m bench codec --impls triton,torch --dtypes float32 --schemes all \
-  --bits 2,4,8 --sizes 22..28:2 --out "$R/codec-fp32" > "$R/codec-fp32.log" 2>&1
-echo "exit $?" >> "$R/codec-fp32.log"
-pack
+run "3a codec fp32" 50 "$R/codec-fp32.log" $PY -m bench codec --impls triton,torch \
+  --dtypes float32 --schemes all --bits 2,4,8 --sizes 24..28:2 --no-plot --out "$R/codec-fp32"
 log "phase 3b: codec bf16/fp16, triton vs copy"
-timeout -s INT 60 $PY -m bench codec --impls triton --dtypes bfloat16,float16 --schemes all \
-  --bits 2,4,8 --sizes 20..28:2 --out "$R/codec-half" > "$R/codec-half.log" 2>&1
-echo "exit $?" >> "$R/codec-half.log"
-pack
+run "3b codec half" 25 "$R/codec-half.log" $PY -m bench codec --impls triton \
+  --dtypes bfloat16,float16 --schemes all --bits 2,4,8 --sizes 24..28:2 --no-plot \
+  --out "$R/codec-half"
 log "phase 3c: one launch per piece (row kernels) vs one per payload, W = 2-16"
-timeout 60 $PY -m bench rows --device cuda --worlds 2,8,16 --sizes 16..24:4 \
-  --out "$R/rows" > "$R/rows.log" 2>&1
-echo "exit $?" >> "$R/rows.log"; tail -n 30 "$R/rows.log"
-# qcomm.fsdp's state update: the fused kernel against the three launches it replaces
-timeout 40 $PY -m bench rows --device cuda --ops delta-update --bits 4 --worlds 2,8,16 \
-  --sizes 16..24:4 --out "$R/rows" > "$R/rows-delta.log" 2>&1
-echo "exit $?" >> "$R/rows-delta.log"; tail -n 12 "$R/rows-delta.log"
+run "3c rows" 35 "$R/rows.log" $PY -m bench rows --device cuda --worlds 2,8,16 \
+  --sizes 16..24:4 --no-plot --out "$R/rows"
+tail -n 12 "$R/rows.log"
 pack
-log "phase 3d: peak GPU memory per rank, plain FSDP2 vs qcomm.fsdp's state (NCCL, world 1)"
-timeout 120 $PY -m bench memory --device cuda --world 1 --no-plot --out "$R/memory" \
-  > "$R/memory-cuda.log" 2>&1
-echo "exit $?" >> "$R/memory-cuda.log"; tail -n 8 "$R/memory-cuda.log"
+log "phase 3d: peak GPU memory per rank, plain FSDP2 vs qcomm.fsdp's state (2 ranks)"
+run "3d memory" 60 "$R/memory-cuda.log" $PY -m bench memory --device cuda --world 2 \
+  --no-plot --out "$R/memory"
+tail -n 8 "$R/memory-cuda.log"
 pack
-log "phase 4: warps per bucket program (QCOMM_TRITON_WARPS), triton vs copy"
-for w in 1 2 4; do
-  QCOMM_TRITON_WARPS=$w timeout -s INT 45 $PY -m bench codec --impls triton \
-    --dtypes float32,bfloat16 --schemes minmax,nuq --bits 4,8 --sizes 24..28:2 --no-plot \
-    --out "$R/warps-$w" > "$R/warps-$w.log" 2>&1
-  echo "exit $?" >> "$R/warps-$w.log"
-  grep "^# triton" "$R/warps-$w.log" | sed "s/^/warps $w /"
-done
-pack
+
+if [ "${WARPS:-0}" = 1 ]; then
+  log "phase 4: warps per bucket program (QCOMM_TRITON_WARPS), triton vs copy"
+  for w in 1 2 4; do
+    QCOMM_TRITON_WARPS=$w run "4 warps $w" 45 "$R/warps-$w.log" $PY -m bench codec \
+      --impls triton --dtypes float32,bfloat16 --schemes minmax,nuq --bits 4,8 \
+      --sizes 24..28:2 --no-plot --out "$R/warps-$w"
+    grep "^# triton" "$R/warps-$w.log" | sed "s/^/warps $w /"
+  done
+  pack
 fi
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
+grep "^# triton\|^# torch" "$R"/codec-*.log
 log done
-grep "^# triton\|^# torch\|exit" "$R"/codec-*.log
+echo "== summary"
+cat "$SUMMARY"
 } 2>&1 | tee "$OUT/log.txt"
+cp "$SUMMARY" "$R/summary.txt"
 pack

@@ -22,6 +22,8 @@ import pytest  # noqa: E402
 from qcomm import Packed, QuantConfig, dequantize, oracle, quantize  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the GPU tier (pytest -m gpu): on CUDA where there is one, else through the interpreter
+pytestmark = pytest.mark.gpu
 B = 64  # small buckets keep the interpreter fast; sizes below straddle them
 SIZES = [0, 1, B - 1, B + 1, 203, 5 * B + 3]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -154,9 +156,14 @@ def test_triton_nonfinite_buckets(scheme, bits, dtype, rounding):
 
 # Known disagreements of the kernels with the torch paths (and the oracle): not fixed yet.
 # Expected failures under the interpreter, strict, so a fix fails them (XPASS) until the
-# mark goes; on a GPU they run as plain tests (bench/device_check.sh shows whether the
-# compiled kernels disagree too).
-@pytest.mark.xfail(DEVICE == "cpu", strict=True,
+# mark goes; on a GPU expected too but not strict (bench/device_check.sh's summary lists
+# them as xfailed or XPASS: whether the compiled kernels disagree too), so that the
+# tier's failures are only new ones. (The 2026-12-04 lease ran these as plain tests: 3
+# of its 5 unnamed failures were likely these.)
+KNOWN = dict(strict=DEVICE == "cpu")
+
+
+@pytest.mark.xfail(**KNOWN,
                    reason="minmax meta: the kernels' min/max of equal zeros keep another "
                    "sign than the first in the bucket")
 def test_known_signed_zero_meta():
@@ -171,7 +178,7 @@ def test_known_signed_zero_meta():
     assert torch.equal(quantize(x.to(DEVICE), cfg, seed=0, impl="triton").payload.cpu(), want)
 
 
-@pytest.mark.xfail(DEVICE == "cpu", strict=True,
+@pytest.mark.xfail(**KNOWN,
                    reason="NaN bits: bf16 NaN 0x7FC0 where torch's cast writes 0xFFFF; "
                    "nuq's sign bit ORed into inf * 0 where torch negates")
 @pytest.mark.parametrize("case", ["bf16-nan", "nuq-l2-overflow"])

@@ -26,6 +26,8 @@ from qcomm import (  # noqa: E402
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the GPU tier (pytest -m gpu): on CUDA where there is one, else through the interpreter
+pytestmark = pytest.mark.gpu
 B = 64
 R = 3
 

@@ -25,6 +25,8 @@ from qcomm import (  # noqa: E402
 from qcomm.layout import HEADER_NBYTES, meta_nbytes  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the GPU tier (pytest -m gpu): on CUDA where there is one, else through the interpreter
+pytestmark = pytest.mark.gpu
 R = 3
 
 # (state config, difference config, n): state 8-bit minmax like qcomm.fsdp.DEFAULT_STATE

@@ -461,7 +461,8 @@ def _stateful_on(rank, world, device: str):
     return outs
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench/device_check.sh)")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pytest -m gpu)")
 def test_stateful_collectives_same_bits_on_cuda_and_cpu():
     """Triton kernels on CUDA tensors and the torch path on CPU tensors give the same
     bytes, so the reconstruction and the residuals (state kept across calls) agree."""
