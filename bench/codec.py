@@ -37,7 +37,7 @@ from .common import Column
 IMPLS = ("triton", "torch", "eager")
 OPS = ("quantize", "dequantize")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Targets of issue 4, as fractions of memcpy bandwidth at sizes >= TARGET_MIN_NUMEL
+# The codec's targets, as fractions of memcpy bandwidth at sizes >= TARGET_MIN_NUMEL
 # (below it, launch and Python overhead dominate and no codec can reach them).
 TARGET_FRAC = {"cpu": 0.8, "cuda": 0.9}
 TARGET_MIN_NUMEL = 1 << 22

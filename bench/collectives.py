@@ -28,7 +28,7 @@ variant of a point R times, the variants interleaved round by round (a shaped li
 medians of 3 calls swing by a third, NOTES.md); the row's time is the median of all its
 rounds' calls, ``spread`` the range of the round medians over their median.
 
-Nodes (issue 18's topology): every rank is told its node (``QCOMM_NODE``). Without
+Nodes (qcomm's topology): every rank is told its node (``QCOMM_NODE``). Without
 ``--nodes``, each rank on loopback is a node and each ``--link`` namespace is one.
 ``--nodes N --ranks-per-node P`` runs ``N P`` ranks as N nodes of P (``--rank-order``
 node-major or round-robin); with ``--link RATE`` (N = 2) each node is one network
@@ -38,7 +38,7 @@ something). The default variants are then ``exact,qcomm8-flat,qcomm8-auto``::
 
     python -m bench collectives --nodes 2 --ranks-per-node 2 --link 100mbit --rounds 5
 
-With ``--sizes 2^23`` alone it measures issue 18's point: 8 MiB per rank (each rank's
+With ``--sizes 2^23`` alone it measures the two-level target's point: 8 MiB per rank (each rank's
 all-gather shard and reduce-scatter output, fp32) at 4 ranks.
 
 Variants: ``exact`` (the inner gloo/NCCL collective), ``bf16`` (a cast around it),
@@ -50,7 +50,7 @@ added for nodes: ``inter(B)`` / ``intra(B)``, the bytes one rank sends per call 
 peers on other nodes / on its own (qcomm.stats' ``inter_node_bytes`` /
 ``intra_node_bytes``, averaged over the ranks; for exact and bf16 the same
 direct-exchange count from the layout), and ``vs_flat`` (flat time / auto time).
-Issue 18's targets at 2 x 2 over 100 Mbit/s, 8 bits, 8 MiB per rank: two-level
+The two-level targets at 2 x 2 over 100 Mbit/s, 8 bits, 8 MiB per rank: two-level
 reduce-scatter >= 1.6x faster than flat, all-gather >= 1.3x, error no worse than
 flat's (:func:`topology_lines`).
 """
@@ -96,10 +96,10 @@ NODE_VARIANTS = ("exact", "qcomm8-flat", "qcomm8-auto")  # the default with --no
 _VARIANT = re.compile(r"exact|bf16|qcomm([1-8])(?:-(flat|auto))?")
 PHASES = ("quant", "xfer", "dequant")  # qcomm's steps, timed on their own
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# Issue 4's target: at >= 16 MiB over a slow link, speedup >= 0.9 x compression ratio.
+# The flat target: at >= 16 MiB over a slow link, speedup >= 0.9 x compression ratio.
 TARGET_MIN_BYTES = 16 << 20
 TARGET_FRACTION = 0.9
-# Issue 18's targets: two-level (auto) over flat at 2 x 2, 8 bits, >= 8 MiB per rank.
+# The two-level targets: two-level (auto) over flat at 2 x 2, 8 bits, >= 8 MiB per rank.
 TOPOLOGY_TARGETS = {"reduce_scatter": 1.6, "all_gather": 1.3}
 TOPOLOGY_MIN_RANK_BYTES = 8 << 20
 # "error no worse than flat's": stochastic rounding's error norm varies ~1/sqrt(n)
@@ -470,7 +470,7 @@ def columns(phases: bool, *, topology: bool = False, rounds: int = 1) -> list[Co
 
 
 def target_lines(rows: list[dict]) -> list[str]:
-    """Issue 4's target per qcomm variant on a shaped link: speedup >= 0.9 x ratio at
+    """The flat target per qcomm variant on a shaped link: speedup >= 0.9 x ratio at
     >= 16 MiB (on loopback the same lines, not judged), with where the time went."""
     lines = []
     for row in rows:
@@ -485,7 +485,7 @@ def target_lines(rows: list[dict]) -> list[str]:
                 where += f" of {row['time_us'] / 1e3:.1f} ms"
             hidden = ""
             if "quant_us" in row and row["xfer_us"]:
-                # issue 20: the codec hidden behind the wire, call <= 1.15 max(codec, xfer)
+                # the codec hidden behind the wire, call <= 1.15 max(codec, xfer)
                 codec = row["quant_us"] + row["dequant_us"]
                 bound = row["time_us"] / max(codec, row["xfer_us"])
                 ok = "met" if bound <= OVERLAP_BOUND else "short"
@@ -504,7 +504,7 @@ def target_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-OVERLAP_BOUND = 1.15  # issue 20: a compressed call <= 1.15 x max(codec time, transfer time)
+OVERLAP_BOUND = 1.15  # a compressed call <= 1.15 x max(codec time, transfer time)
 
 
 def verdict(frac: float, link: str) -> str:
@@ -514,7 +514,7 @@ def verdict(frac: float, link: str) -> str:
 
 
 def _unjudged(row: dict) -> str | None:
-    """Why issue 18's targets do not apply to ``row`` (None: they do)."""
+    """Why the two-level targets do not apply to ``row`` (None: they do)."""
     layout = row.get("layout") or ""
     nodes, _, per = layout.partition("x")
     if row["link"] == "loopback":
@@ -529,7 +529,7 @@ def _unjudged(row: dict) -> str | None:
 
 
 def topology_lines(rows: list[dict]) -> list[str]:
-    """Issue 18's targets, per point that has both ``qcommB-auto`` and ``qcommB-flat``:
+    """The two-level targets, per point that has both ``qcommB-auto`` and ``qcommB-flat``:
     auto's time over flat's (reduce-scatter >= 1.6x, all-gather >= 1.3x), its error no
     worse than flat's (within 2%), and the inter-node bytes of both, judged at 2 x 2
     on a shaped link, 8 bits, >= 8 MiB per rank (else the same lines, not judged)."""

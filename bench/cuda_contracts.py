@@ -1,4 +1,4 @@
-"""``python -m bench.cuda_contracts``: torch's contracts on CUDA tensors (issue 19), for
+"""``python -m bench.cuda_contracts``: torch's contracts on CUDA tensors, for
 ``bench/device_check.sh``; prints one ``ok``/``FAIL`` line per check, exits 1 on a FAIL.
 
 1. ``init_process_group("qcomm", device_id=cuda:0)`` on NCCL, world size 1: the bound

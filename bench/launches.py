@@ -6,7 +6,7 @@ all-reduce; ``--bits``, min-max, flat) at each size (elements per rank) on a
 :func:`qcomm.wrap` of its group, and the same call on the group itself (``exact``):
 
 - ``codec``: :mod:`qcomm.codec` calls of one call (``qcomm.codec.calls``), which do not
-  grow with W (issue 20; ``tests/test_collectives.py`` checks it at W = 2, 4, 8).
+  grow with W (``tests/test_collectives.py`` checks it at W = 2, 4, 8).
 - ``launches``: on CUDA, the kernels one call puts on the GPU (``torch.profiler``, CUDA
   activity), split into compute kernels, ``Memcpy`` and ``Memset`` (NCCL's own kernels
   count as compute); on CPU, the torch path's graph and loop calls

@@ -1,13 +1,13 @@
 """Ranks as separate processes, on loopback or as two "hosts" behind a shaped link.
 
 :class:`ShapedLink` builds two network namespaces joined by a veth pair, each end
-shaped by ``tc tbf`` to the rate (NOTES.md, "Slow links on one machine")::
+shaped by ``tc tbf`` to the rate::
 
     netns qcb<pid>a                          netns qcb<pid>b
     [ranks 0 .. w/2-1] qva 198.18.0.1/24 <-veth+tbf RATE each way-> qvb 198.18.0.2/24 [ranks w/2 ..]
 
 Nodes: every rank is told its node (``QCOMM_NODE=node<i>``, and torchrun's
-``GROUP_RANK=<i>``), so that qcomm's topology (issue 18) sees what the harness built.
+``GROUP_RANK=<i>``), so that qcomm's topology sees what the harness built.
 Without a layout (:func:`node_layout`) each rank on loopback is a node of its own and,
 behind a link, each namespace is one node (its ranks as above). With ``--nodes 2
 --ranks-per-node P`` the ``2 P`` ranks are two nodes of P: a node is one namespace with
@@ -43,15 +43,15 @@ from pathlib import Path
 
 _RATE = re.compile(r"(\d+(?:\.\d+)?)([kmg]?)(bit|bps)", re.IGNORECASE)
 _UNIT = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
-# tc tbf bucket: 2 ms of the rate, at least 64 KiB (one veth GSO packet). NOTES.md's
-# 1 MB bucket let a whole 0.5 MB payload through unshaped at 100 Mbit/s (an all-gather
-# 10x faster than exact at 4x fewer bytes); 2 ms of rate keeps that error under 2% for
+# tc tbf bucket: 2 ms of the rate, at least 64 KiB (one veth GSO packet). A 1 MB
+# bucket let a whole 0.5 MB payload through unshaped at 100 Mbit/s (an all-gather 10x
+# faster than exact at 4x fewer bytes); 2 ms of rate keeps that error under 2% for
 # messages >= 16 MiB.
 TBF_BURST_S = 0.002
 TBF_MIN_BURST = 64 << 10
 # Queue before drops. Both directions carry data at once, so each side's ACKs wait
 # behind that queue: measured here (8 MiB/rank gloo all-gather, 2 ranks) 100 Mbit/s gave
-# 63 Mbit/s at 5 ms, 91 at 20 ms, 71 at 100 ms (NOTES.md's); 1 Gbit/s ~730 at each
+# 63 Mbit/s at 5 ms, 91 at 20 ms, 71 at 100 ms; 1 Gbit/s ~730 at each
 # (CPU-bound on 2 cores).
 TBF_LATENCY = "20ms"
 ADDRS = ("198.18.0.1", "198.18.0.2")

@@ -9,13 +9,13 @@ in one run, each timed after a barrier as the slowest rank's time:
 - ``serial``: the collective, then the compute;
 - ``overlap``: the collective with ``async_op=True``, the compute, then ``wait()``;
 - ``ratio = overlap / (comm + compute)``: 1.0 is no overlap at all, 0.5 a perfect
-  one at equal compute. Issue 19's target for qcomm: at most 0.75.
+  one at equal compute. The target for qcomm: at most 0.75.
 
 Variants: ``exact`` (gloo, whose own threads run the transfer), ``qcomm8`` (8 bits, the
 group's worker thread runs codec and transfer: qcomm.engine), ``qcomm8-sync``
 (``QCOMM_ASYNC=0``: the call completes before it returns, as before the engine).
 
-    python -m bench overlap --link 100mbit        # issue 19's point: 16 MiB per rank
+    python -m bench overlap --link 100mbit        # 16 MiB per rank
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ gloo and on qcomm groups with compression off, side by side.
 torch's wheel ships its multi-process distributed suite
 (``torch.testing._internal.distributed.distributed_test``): the same ``_DistTestBase``
 tests torch's CI runs per backend (``test/distributed/test_distributed_spawn.py``).
-This runs the collective families issue 19 names (all_gather, all_reduce,
+This runs the collective families qcomm serves (all_gather, all_reduce,
 reduce_scatter, broadcast, barrier, all_to_all, gather, scatter, send_recv) with
 ``BACKEND=gloo`` and with ``BACKEND=qcomm`` (``QCOMM_*_BITS=off``: every call exact, so
 the values must be gloo's), 2 ranks, and reports every test whose outcome differs.

@@ -23,7 +23,7 @@ nodes, ``fully_shard(..., mesh=mesh)``; the mesh's groups are qcomm groups, so F
 reduce-scatter and all-gather run on the node's group and the replicate all-reduce on
 the group of equal local ranks).
 
-Nodes (issue 18): every rank is told its node (``QCOMM_NODE``); without ``--nodes``
+Nodes (qcomm's topology): every rank is told its node (``QCOMM_NODE``); without ``--nodes``
 each loopback rank is a node and each ``--link`` host one. ``--nodes 2
 --ranks-per-node P --link RATE`` runs two nodes of P ranks, each a network namespace
 (ranks of a node unshaped, the nodes over the shaped veth); the default variants are
@@ -34,7 +34,7 @@ then ``fp32,w8g8-flat,w8g8-auto``::
 Per run, besides the below: bytes per step that crossed to other nodes and stayed
 inside the node (qcomm.stats' ``inter_node_bytes`` / ``intra_node_bytes`` over every
 group the run used, averaged over the ranks); the summary's ``vs_flat`` is an auto
-variant's step time against its flat twin's, and issue 18's FSDP2 target (auto faster
+variant's step time against its flat twin's, and the two-level FSDP2 target (auto faster
 than flat, both faster than fp32, held-out loss within the noise of fp32) is printed
 per mode (:func:`topology_lines`).
 
@@ -550,7 +550,7 @@ def _summarize_mode(rows: list[dict]) -> tuple[list[dict], list[str]]:
 
 
 def topology_lines(summary: list[dict], link: str, layout: str | None) -> list[str]:
-    """Issue 18's training target per mode and ``-auto`` variant with a ``-flat`` twin
+    """The two-level training target per mode and ``-auto`` variant with a ``-flat`` twin
     and an fp32 baseline: auto faster than flat, both faster than fp32, held-out loss
     within the noise of fp32 (not significant at 95% over paired seeds). Judged for
     FSDP2 at P >= 2 ranks per node on a shaped link (HSDP: the same line, no target)."""
@@ -587,7 +587,7 @@ def topology_lines(summary: list[dict], link: str, layout: str | None) -> list[s
             f"{auto.get('inter_mb_per_step', float('nan')):.2f} vs "
             f"{flat.get('inter_mb_per_step', float('nan')):.2f} vs "
             f"{base.get('inter_mb_per_step', float('nan')):.2f} MB per step and rank"
-            + (" (no target: issue 18 sets FSDP2's)" if mode != "fsdp2" else
+            + (" (no target: only FSDP2 has one)" if mode != "fsdp2" else
                f" ({why})" if why else ""))
     return lines
 

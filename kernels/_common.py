@@ -16,11 +16,9 @@ from qcomm.config import triton_warps
 # bucket: one warp, 32 values per thread). Fewer threads per bucket means fewer
 # cross-warp reductions (shared memory and barriers) per element: compiled for sm_90,
 # the 8-bit min-max quantize kernel is 31.5 SASS instructions per element at 1 warp, 58
-# at 4 and 94 at 8 (static counts: `python tests/compile_for_gpu.py --sass`, triton 3.9;
-# 36.5, 64 and 100 before round_codes took floor(t + u), 42, 65 and 100 before one hash
-# served two elements), and at
-# ~33 T instructions/s an H200 must stay under ~60 per element to quantize fp32 at its
-# 4.3 TB/s copy rate. QCOMM_TRITON_WARPS overrides it (qcomm.config.triton_warps).
+# at 4 and 94 at 8 (static counts: `python tests/compile_for_gpu.py --sass`, triton 3.9),
+# and at ~33 T instructions/s an H200 must stay under ~60 per element to quantize fp32 at
+# its 4.3 TB/s copy rate. QCOMM_TRITON_WARPS overrides it (qcomm.config.triton_warps).
 def num_warps(bucket_size: int) -> int:
     return triton_warps() or max(1, min(8, bucket_size // 1024))
 

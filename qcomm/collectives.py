@@ -32,9 +32,9 @@ What is not compressible (integer/bool/float64 dtypes, ops other than SUM, AVG a
 PREMUL_SUM, contributions under ``min_numel``, a collective switched off) goes
 through the inner group exactly; PREMUL_SUM, which gloo rejects, is applied here.
 
-Compressed calls complete before they return (``async_op=True`` returns an already
-completed Work); on CUDA the inner NCCL work is ordered on the current stream, so
-the host does not block.
+A synchronous compressed call completes before it returns; ``async_op=True`` returns
+at once, the call running on the group's worker thread (CPU) or its own stream (CUDA),
+with a Work that tells the truth (:mod:`qcomm.engine`).
 
 Failures are errors, never wrong numbers or hangs (tests/test_reliability.py):
 
@@ -299,16 +299,12 @@ def _quantize_fed(call: Call, x: torch.Tensor, fed: torch.Tensor, seeds: list[in
 # shard, against ~0.1-0.3 ms of fixed cost per piece (one inner collective, one codec
 # call per payload). Narrower codes keep a piece's payload bytes: 2^20 elements at 4
 # bits, 2^21 at 2; but a tensor is cut into at least MIN_PIECES pieces of at least PIECE
-# elements where it can. Measured (2 ranks at 1 Gbit/s, AMD EPYC 2 cores AVX-512, all
-# three sizes alternating in one run, medians of 10 calls, ms, pieces of 2^19 / 2^20 /
-# 2^21 elements; `bench/experiments/pipeline_toggle.py pieces 1gbit ag|rs`):
-# all-gather 2^22 elements a rank 2 bits 23.6 / 17.0 / 20.2, 4 bits
-# 29.8 / 26.4 / 26.2, 8 bits 38.8 / 43.3 / 45.6; 2^24: 2 bits 71.1 / 60.7 / 52.2,
-# 4 bits 95.8 / 82.4 / 82.9, 8 bits 156.6 / 148.7 / 154.7; reduce-scatter 2^22: 19.1 /
-# 15.4 / 17.8, 23.0 / 22.5 / 28.8, 38.6 / 44.2 / 47.8; 2^24: 68.7 / 57.8 / 48.2, 83.1
-# / 79.9 / 86.1, 154.1 / 152.8 / 155.9. At 2 bits the transfer of a 2^19 piece is too
-# short to hide much, and each piece's codec calls cost their fixed time. Rounded to
-# whole buckets, so pieces quantize exactly as the unsplit chunk would.
+# elements where it can. Chosen by timing pieces of 2^19, 2^20 and 2^21 elements side by
+# side at 1 Gbit/s, 2^22 and 2^24 elements a rank, 2-8 bits
+# (`bench/experiments/pipeline_toggle.py pieces 1gbit ag|rs`, AMD EPYC 2 cores AVX-512:
+# docs/results.md, "Flat collectives at 1 Gbit/s"): no one size wins everywhere; these
+# were within 5% of the best at 4 and 8 bits and within 20% at 2. Rounded to whole
+# buckets, so pieces quantize exactly as the unsplit chunk would.
 PIECE = 1 << 19
 MIN_PIECES = 4
 

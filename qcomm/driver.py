@@ -12,7 +12,9 @@ group through :mod:`qcomm.collectives`, FSDP2's per-module collectives through
                             call index (advances identically on every rank)
                             compressed(Call): the algorithm, which takes its seeds,
                               its descriptor check and its buffers from the Call
-                          stats (compressed, wire bytes)       -> a completed Work / None
+                          stats (compressed, wire bytes)       -> a Work / None
+                          (async_op: run on the group's worker (CPU) or stream (CUDA),
+                          its Work returned at once: qcomm.engine)
 
 Seeds: one per payload, distinct per (call index, slot), where the algorithm's slot
 tells the phases, ranks and chunks of a call apart; the same on every rank for a given

@@ -1,4 +1,4 @@
-"""torch.distributed's contracts on a qcomm group (issue 19): asynchronous Work that is
+"""torch.distributed's contracts on a qcomm group: asynchronous Work that is
 really asynchronous and correctly ordered, the inner backend reachable through
 ``_get_backend``, every ``_c10d_functional`` op, ``all_gather_coalesced`` and
 coalescing windows.
