@@ -15,6 +15,8 @@
 #      compressed nothing); 2b. torch's contracts on CUDA (bench.cuda_contracts);
 #      2c. codec calls, kernel launches and time per compressed call against the exact
 #      one, W = 1 over NCCL and W = 2 over gloo on CUDA tensors (bench launches);
+#      2d. W = 8 and 64 ranks simulated on the GPU: codec time and the break-even link
+#      bandwidth (bench breakeven);
 #   3. codec throughput against a same-run copy: fp32 Triton and torch.compile, then
 #      bf16/fp16 Triton; 3c. the row kernels per piece (bench rows); 3d. peak GPU memory
 #      of FSDP2, plain against qcomm.fsdp's state, 2 ranks (gloo on one GPU, each rank a
@@ -88,13 +90,19 @@ log "phase 2b: torch's contracts on CUDA (device_id, NCCL ops, functional ops, s
 run "2b cuda contracts" 45 "$R/cuda_contracts.log" $PY -m bench.cuda_contracts
 grep -v "^\s*return func\|FutureWarning" "$R/cuda_contracts.log" | tail -n 8
 log "phase 2c: codec calls, launches and time per call, W = 1 NCCL and W = 2 gloo (CUDA)"
-run "2c launches" 40 "$R/launches.log" $PY -m bench launches --device cuda --worlds 1,2 \
+run "2c launches" 30 "$R/launches.log" $PY -m bench launches --device cuda --worlds 1,2 \
   --sizes 10..22:4 --iters 10 --no-plot --out "$R/launches"
 tail -n 20 "$R/launches.log"
 pack
 
+log "phase 2d: W ranks simulated on the GPU: codec time and the break-even link"
+run "2d breakeven" 45 "$R/breakeven.log" $PY -m bench breakeven --device cuda \
+  --sizes 20..24:2 --worlds 8,64 --bits 8,4 --no-plot --out "$R/breakeven"
+grep "^#  " "$R/breakeven.log"
+pack
+
 log "phase 3a: codec fp32, triton vs torch.compile vs copy"
-run "3a codec fp32" 50 "$R/codec-fp32.log" $PY -m bench codec --impls triton,torch \
+run "3a codec fp32" 45 "$R/codec-fp32.log" $PY -m bench codec --impls triton,torch \
   --dtypes float32 --schemes all --bits 2,4,8 --sizes 24..28:2 --no-plot --out "$R/codec-fp32"
 log "phase 3b: codec bf16/fp16, triton vs copy"
 run "3b codec half" 25 "$R/codec-half.log" $PY -m bench codec --impls triton \
