@@ -524,10 +524,13 @@ def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group=None, *,
 @torch.no_grad()
 def gather_into(group, outs: list[torch.Tensor], out_flat: torch.Tensor | None,
                 inp: torch.Tensor, *, config=None, async_op: bool = False, exact=None,
-                can_compress: bool = True):
+                can_compress: bool = True, prepare=None):
     """All-gather into per-rank outputs ``outs`` (views of ``out_flat`` when given);
     ``exact()`` is the passthrough to run when the call is not compressed (default:
-    the inner flat all-gather into ``out_flat``); ``can_compress=False`` forces it."""
+    the inner flat all-gather into ``out_flat``); ``can_compress=False`` forces it.
+    ``prepare(call)``, when given, returns (what to quantize in place of ``inp``, a
+    ``decode(p, a, b, rows)`` for :func:`packed_all_gather`) for a compressed call:
+    :class:`qcomm.fsdp.DeltaAllGather` sends differences and decodes through its state."""
     group = I.default(group)
     world, n = group.size(), inp.numel()
 
@@ -537,12 +540,12 @@ def gather_into(group, outs: list[torch.Tensor], out_flat: torch.Tensor | None,
         return finish(work, async_op, "all_gather", inner.rank())
 
     def compressed(call: Call) -> tuple[int, int]:
+        send, decode = prepare(call) if prepare is not None else (inp, None)
         body = 0 if call.two_level else envelope_body(n, call.q)
-        check = call.check_descriptors(n, inp.dtype, None, inp.device, body)
-        if call.two_level:
-            return two_level_all_gather(call, outs, inp, call.seed(call.rank), check=check)
-        return call.flat_bytes(peer_bytes(world, packed_all_gather(
-            call, outs, inp, call.seed(call.rank), check=check)))
+        check = call.check_descriptors(n, send.dtype, None, inp.device, body)
+        gather = two_level_all_gather if call.two_level else packed_all_gather
+        sent = gather(call, outs, send, call.seed(call.rank), check=check, decode=decode)
+        return sent if call.two_level else call.flat_bytes(peer_bytes(world, sent))
 
     return run(group, "all_gather", tensor=inp, numel=n,
                logical=peer_bytes(world, n * inp.element_size()), exact=run_exact,

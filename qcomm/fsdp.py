@@ -63,7 +63,6 @@ import torch.distributed as dist
 
 from . import collectives as C
 from . import driver, handshake
-from . import inner as I
 from .codec import dequantize_rows, quantize_rows, update_state_rows
 from .config import CommConfig, QuantConfig
 from .layout import HEADER_NBYTES, meta_nbytes, packed_nbytes
@@ -251,21 +250,14 @@ class DeltaAllGather(_PerModule, _AllGatherBase):
         out, inp, group, world = C.check_flat_pair("DeltaAllGather", output_tensor,
                                                    input_tensor, group, gathered=True)
         n = inp.numel()
+        out_rows = out.view(world, n)
 
-        def exact():
-            inner = driver.inner_of(group)
-            return driver.finish(I.all_gather(inner, out, inp), async_op, "all_gather",
-                                 inner.rank())
-
-        def compressed(call: driver.Call) -> tuple[int, int]:
-            parts = C.pieces(n, call.q)
-            ref = self._state(group, world, n, inp.dtype, inp.device, parts)
+        def prepare(call: driver.Call):
+            """The difference to send, and how every rank decodes it through the state."""
+            ref = self._state(group, world, n, inp.dtype, inp.device, C.pieces(n, call.q))
             # reads inp (a view into out) before anything is written; a copy, never
             # the caller's tensor
             delta = ref.subtract_row(call, call.rank, inp.to(torch.float32, copy=True))
-            body = 0 if call.two_level else C.envelope_body(n, call.q)
-            check = call.check_descriptors(n, delta.dtype, None, inp.device, body)
-            out_rows = out.view(world, n)
 
             def decode(p: int, a: int, b: int, rows: torch.Tensor) -> None:
                 # every rank: the same state and payload bytes through the same code,
@@ -283,15 +275,10 @@ class DeltaAllGather(_PerModule, _AllGatherBase):
                 out_rows[:, a:b].copy_(acc)
                 ref.store(p, acc)
 
-            gather = C.two_level_all_gather if call.two_level else C.packed_all_gather
-            sent = gather(call, out_rows, delta, call.seed(call.rank), check=check,
-                          decode=decode)
-            return sent if call.two_level else call.flat_bytes(driver.peer_bytes(world, sent))
+            return delta, decode
 
-        return driver.run(group, "all_gather", tensor=inp, numel=n,
-                          logical=driver.peer_bytes(world, n * inp.element_size()),
-                          exact=exact, compressed=compressed, result=[out],
-                          config=self.config, async_op=async_op)
+        return C.gather_into(group, out_rows if n else [], out, inp, config=self.config,
+                             async_op=async_op, prepare=prepare)
 
 
 class ErrorFeedbackReduceScatter(_PerModule, _ReduceScatterBase):
