@@ -10,7 +10,7 @@ all-reduce; ``--bits``, min-max, flat) at each size (elements per rank) on a
 - ``launches``: on CUDA, the kernels one call puts on the GPU (``torch.profiler``, CUDA
   activity), split into compute kernels, ``Memcpy`` and ``Memset`` (NCCL's own kernels
   count as compute); on CPU, the torch path's graph and loop calls
-  (``qcomm.cpu._common.calls``), the CPU's launches.
+  (``qcomm.cpu.cpu_common.calls``), the CPU's launches.
 - ``time``: median over ``--iters`` calls (after warm-up; a barrier and, on CUDA, a
   synchronize before each call and a synchronize after), the slowest rank's median.
 
@@ -66,11 +66,11 @@ def _launches(fn, device: torch.device) -> dict:
     """What one call of ``fn`` launches: CUDA kernels by kind, or the CPU torch path's
     calls."""
     if device.type != "cuda":
-        from qcomm.cpu import _common
+        from qcomm.cpu import common as cpu_common
 
-        before = sum(_common.calls.values())
+        before = sum(cpu_common.calls.values())
         fn()
-        return {"launches": sum(_common.calls.values()) - before}
+        return {"launches": sum(cpu_common.calls.values()) - before}
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize(device)

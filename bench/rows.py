@@ -36,7 +36,7 @@ import torch
 
 import qcomm
 from qcomm.config import SCHEMES, QuantConfig
-from qcomm.cpu import _common
+from qcomm.cpu import common as cpu_common
 
 from . import common
 from .common import Column
@@ -143,9 +143,9 @@ def moved_bytes(op: str, q: QuantConfig, W: int, n: int) -> int:
 def _counted(fn) -> tuple[int, int]:
     from qcomm import codec
 
-    before, pieces = sum(codec.calls.values()), sum(_common.calls.values())
+    before, pieces = sum(codec.calls.values()), sum(cpu_common.calls.values())
     fn()
-    return sum(codec.calls.values()) - before, sum(_common.calls.values()) - pieces
+    return sum(codec.calls.values()) - before, sum(cpu_common.calls.values()) - pieces
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from qcomm.layout import effective_scheme_id, levels
 
-from ._common import bucket_tile, load_unpack, tile_args
+from .common import bucket_tile, load_unpack, tile_args
 
 
 @triton.jit

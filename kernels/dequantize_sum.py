@@ -15,7 +15,7 @@ import triton.language as tl
 
 from qcomm.layout import effective_scheme_id, levels
 
-from ._common import bucket_tile, tile_args
+from .common import bucket_tile, tile_args
 from .dequantize import decode_tile, store_cast
 
 OPS = {"sum": 0, "avg": 1, "premul": 2}

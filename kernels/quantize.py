@@ -17,7 +17,7 @@ import triton.language as tl
 
 from qcomm.layout import effective_scheme_id, levels
 
-from ._common import (
+from .common import (
     bucket_tile,
     half_uniform,
     pack_store,
@@ -29,7 +29,7 @@ from ._common import (
 
 
 @triton.jit
-def _bucket_stats(x, valid, x1, valid1, PAIRED: tl.constexpr, SCHEME: tl.constexpr,
+def bucket_stats(x, valid, x1, valid1, PAIRED: tl.constexpr, SCHEME: tl.constexpr,
                   L2: tl.constexpr):
     """Statistics of the bucket in tile ``x`` (and ``x1``, its second half, when
     ``PAIRED``): (sum of x * 0, then min and max (minmax), max |x| (maxnorm, nuq) or the
@@ -68,10 +68,11 @@ def _bucket_stats(x, valid, x1, valid1, PAIRED: tl.constexpr, SCHEME: tl.constex
 
 
 @triton.jit
-def _bucket_meta(meta_ptr, bucket, z, a, b, SCHEME: tl.constexpr, LEVELS: tl.constexpr,
+def bucket_meta(meta_ptr, bucket, z, a, b, SCHEME: tl.constexpr, LEVELS: tl.constexpr,
                  L2: tl.constexpr, FINITE: tl.constexpr):
     """Store the bucket's metadata from its statistics; return what the codes need
-    (offset, s, inv, bad): ``qcomm.cpu.quantize._bucket_stats``. ``FINITE``: store 0
+    (offset, s, inv, bad): the bucket statistics of ``qcomm.oracle.encode_bucket``.
+    ``FINITE``: store 0
     for each meta word that is not finite (``torch.nan_to_num(meta, 0, 0, 0)``)."""
     bad = z != z
     if SCHEME == 0:
@@ -105,9 +106,10 @@ def _finite(v, FINITE: tl.constexpr):
 
 
 @triton.jit
-def _tile_codes(x, offset, s, inv, bad, u, BITS: tl.constexpr, SCHEME: tl.constexpr,
+def tile_codes(x, offset, s, inv, bad, u, BITS: tl.constexpr, SCHEME: tl.constexpr,
                 LEVELS: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """int32 codes of a tile: ``qcomm.cpu.quantize._codes``; ``u`` the uniforms (stochastic)."""
+    """int32 codes of a tile: ``qcomm.oracle.encode_bucket``'s codes; ``u`` the uniforms
+    (stochastic)."""
     if SCHEME == 0:
         t = tl.where(bad, 0.0, ((x - offset) * s) * inv)
         codes = round_codes(t, u, LEVELS - 1, STOCHASTIC)
@@ -143,8 +145,8 @@ def _quantize_kernel(
     key,  # 32-bit RNG key of this call (qcomm.constants.seed_key)
     BITS: tl.constexpr,  # 1..8
     B: tl.constexpr,  # bucket size, a multiple of 8
-    R: tl.constexpr,  # elements per tile row (_common.row_layout)
-    WORD: tl.constexpr,  # how a row's codes are stored (_common.row_layout)
+    R: tl.constexpr,  # elements per tile row (common.row_layout)
+    WORD: tl.constexpr,  # how a row's codes are stored (common.row_layout)
     RBLOCK: tl.constexpr,  # next power of 2 >= rows per tile (a bucket, or half of one)
     SCHEME: tl.constexpr,  # 0 minmax, 1 maxnorm, 2 nuq (effective id)
     LEVELS: tl.constexpr,  # layout.levels(SCHEME, BITS)
@@ -174,8 +176,8 @@ def _quantize_kernel(
         _, row1, rmask1, index1, valid1 = bucket_tile(n, n_rows, B, R, RBLOCK, WIDE, HR, HR)
         x = tl.load(x_ptr + index, mask=valid, other=0.0).to(tl.float32)
         x1 = tl.load(x_ptr + index1, mask=valid1, other=0.0).to(tl.float32)
-        z, a, b = _bucket_stats(x, valid, x1, valid1, True, SCHEME, L2)
-        offset, s, inv, bad = _bucket_meta(meta_ptr, bucket, z, a, b, SCHEME, LEVELS, L2, False)
+        z, a, b = bucket_stats(x, valid, x1, valid1, True, SCHEME, L2)
+        offset, s, inv, bad = bucket_meta(meta_ptr, bucket, z, a, b, SCHEME, LEVELS, L2, False)
         if STOCHASTIC:
             h = pair_hash(index - bucket * H, key, WIDE)  # counter = bucket * H + q
             u = half_uniform(h, False)
@@ -183,21 +185,21 @@ def _quantize_kernel(
         else:
             u = 0.0  # unused: nearest rounding
             u1 = u
-        codes1 = _tile_codes(x1, offset, s, inv, bad, u1, BITS, SCHEME, LEVELS, STOCHASTIC)
+        codes1 = tile_codes(x1, offset, s, inv, bad, u1, BITS, SCHEME, LEVELS, STOCHASTIC)
         pack_store(codes_ptr, tl.where(valid1, codes1, 0), row1, rmask1, BITS, R, WORD)
     else:
         bucket, row, rmask, index, valid = bucket_tile(n, n_rows, B, R, RBLOCK, WIDE,
                                                        B // R, 0)
         x = tl.load(x_ptr + index, mask=valid, other=0.0).to(tl.float32)
-        z, a, b = _bucket_stats(x, valid, x, valid, False, SCHEME, L2)
-        offset, s, inv, bad = _bucket_meta(meta_ptr, bucket, z, a, b, SCHEME, LEVELS, L2, False)
+        z, a, b = bucket_stats(x, valid, x, valid, False, SCHEME, L2)
+        offset, s, inv, bad = bucket_meta(meta_ptr, bucket, z, a, b, SCHEME, LEVELS, L2, False)
         if STOCHASTIC:
             high = index - bucket * B >= H  # the second half takes the high 16 bits
             h = pair_hash(index - bucket * H - tl.where(high, H, 0), key, WIDE)
             u = tl.where(high, half_uniform(h, True), half_uniform(h, False))
         else:
             u = 0.0  # unused: nearest rounding
-    codes = _tile_codes(x, offset, s, inv, bad, u, BITS, SCHEME, LEVELS, STOCHASTIC)
+    codes = tile_codes(x, offset, s, inv, bad, u, BITS, SCHEME, LEVELS, STOCHASTIC)
     pack_store(codes_ptr, tl.where(valid, codes, 0), row, rmask, BITS, R, WORD)
 
 

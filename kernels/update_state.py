@@ -23,9 +23,9 @@ import triton.language as tl
 
 from qcomm.layout import effective_scheme_id, levels
 
-from ._common import bucket_tile, pack_store, tile_args
+from .common import bucket_tile, pack_store, tile_args
 from .dequantize import code_values, decode_tile, store_cast
-from .quantize import _bucket_meta, _bucket_stats, _tile_codes
+from .quantize import bucket_meta, bucket_stats, tile_codes
 
 
 @triton.jit
@@ -91,9 +91,9 @@ def _update_state_kernel(
     y = y + decode_at(d_meta_ptr, d_codes_ptr, index, valid, DBITS, DB, DSCHEME, DLEVELS)
     y = tl.where(valid, y, 0.0)  # the padding of a partial bucket, as quantize loads it
     store_cast(out_ptr, index, valid, y)
-    z, a, b = _bucket_stats(y, valid, y, valid, False, SCHEME, L2)
-    offset, s, inv, bad = _bucket_meta(s_meta_ptr, bucket, z, a, b, SCHEME, LEVELS, L2, True)
-    codes = _tile_codes(y, offset, s, inv, bad, 0.0, BITS, SCHEME, LEVELS, False)
+    z, a, b = bucket_stats(y, valid, y, valid, False, SCHEME, L2)
+    offset, s, inv, bad = bucket_meta(s_meta_ptr, bucket, z, a, b, SCHEME, LEVELS, L2, True)
+    codes = tile_codes(y, offset, s, inv, bad, 0.0, BITS, SCHEME, LEVELS, False)
     pack_store(s_codes_ptr, tl.where(valid, codes, 0), row, rmask, BITS, R, WORD)
 
 

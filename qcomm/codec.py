@@ -132,7 +132,7 @@ def _launchers(path: str):
         from .kernels import update_state as ku
 
         return kq.quantize, kd.dequantize, ks.dequantize_sum, ku.update_state
-    wrap = compiled if path == "torch" else cpu._common.eager
+    wrap = compiled if path == "torch" else cpu.common.eager
     return (functools.partial(cpu_quantize.quantize, wrap=wrap),
             functools.partial(cpu_dequantize.dequantize, wrap=wrap),
             functools.partial(cpu_dequantize.dequantize_sum, wrap=wrap),
@@ -282,7 +282,7 @@ def dequantize(
     else:  # decode, then store
         tmp = torch.empty(n, dtype=torch.float32, device=device)
         decode(packed.meta(), packed.codes(), tmp, packed.config, False)
-        cpu._common.store(result, tmp.view(result.shape), accumulate)
+        cpu.common.store(result, tmp.view(result.shape), accumulate)
     return result
 
 

@@ -16,7 +16,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     sys.exit("compile_for_gpu.py: unset TRITON_INTERPRET (the interpreter compiles nothing)")
 
 import triton  # noqa: E402
-from qcomm.kernels._common import num_warps, tile_args  # noqa: E402
+from qcomm.kernels.common import num_warps, tile_args  # noqa: E402
 from qcomm.kernels.dequantize import _dequantize_kernel  # noqa: E402
 from qcomm.kernels.dequantize_sum import OPS, _dequantize_sum_kernel  # noqa: E402
 from qcomm.kernels.quantize import _quantize_kernel  # noqa: E402
@@ -96,7 +96,7 @@ def sass_count(kernel) -> int:
 def sass_table() -> int:
     """``--sass``: static SASS instructions per element of the 8-bit min-max fp32
     kernels (bucket 1024, stochastic) at 1, 2, 4 and 8 warps: the counts the warps
-    comment in kernels/_common.py quotes."""
+    comment in kernels/common.py quotes."""
     for warps in (1, 2, 4, 8):
         kq, kd, _ = compile_case("minmax", 8, "float32", 1024, False, True, False, arch=90,
                                  warps=warps, aligned=True)

@@ -466,7 +466,7 @@ def _launch_count_body(rank, world):
     last with a partial bucket); eager path (QCOMM_COMPILE=0), so 8 ranks on 2 cores
     compile nothing."""
     from qcomm import codec, fsdp
-    from qcomm.cpu import _common
+    from qcomm.cpu import common
 
     qcomm.collectives.PIECE = 1024
     pg = qcomm.wrap(dist.group.WORLD, CommConfig(all_gather=Q8, reduce_scatter=Q8,
@@ -485,9 +485,9 @@ def _launch_count_body(rank, world):
     res = {}
     for name, fn in calls.items():
         fn()  # the first call of a group also agrees on its config
-        before, graphs = collections.Counter(codec.calls), _common.calls["eager"]
+        before, graphs = collections.Counter(codec.calls), common.calls["eager"]
         fn()
-        res[name] = (dict(codec.calls - before), _common.calls["eager"] - graphs)
+        res[name] = (dict(codec.calls - before), common.calls["eager"] - graphs)
     return res
 
 

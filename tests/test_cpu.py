@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qcomm import QuantConfig, constants, dequantize, quantize
-from qcomm.cpu import _common as K
+from qcomm.cpu import common as K
 from qcomm.cpu import dequantize as D
 from qcomm.cpu import quantize as Q
 
@@ -159,11 +159,11 @@ def test_quantize_paths_agree_on_the_pairing():
 
 
 def test_row_chunks_never_leave_one_row():
-    _row_chunks = K._row_chunks
-    assert _row_chunks(7, 3) == [(0, 3), (3, 7)]  # the lone 7th row joins the chunk before
-    assert _row_chunks(8, 3) == [(0, 3), (3, 6), (6, 8)]
-    assert _row_chunks(2, 16) == [(0, 2)]
-    assert _row_chunks(5, 1) == [(0, 2), (2, 5)]  # steps of one row would all be lone
+    row_chunks = K.row_chunks
+    assert row_chunks(7, 3) == [(0, 3), (3, 7)]  # the lone 7th row joins the chunk before
+    assert row_chunks(8, 3) == [(0, 3), (3, 6), (6, 8)]
+    assert row_chunks(2, 16) == [(0, 2)]
+    assert row_chunks(5, 1) == [(0, 2), (2, 5)]  # steps of one row would all be lone
 
 
 @pytest.mark.parametrize("scheme", ["minmax", "nuq"])

@@ -113,7 +113,7 @@ def test_long_strided_rows_decode_one_row_a_call(dtype, monkeypatch):
     """Strided output rows past qcomm.cpu.dequantize.STRIDED_ROWS_SPLIT (a collective's
     piece of its W output slots) are decoded one row per call, to the oracle's values,
     stored and accumulated; contiguous rows stay one call."""
-    from qcomm.cpu import _common
+    from qcomm.cpu import common
     from qcomm.cpu import dequantize as cpu_dequantize
 
     monkeypatch.setattr(cpu_dequantize, "STRIDED_ROWS_SPLIT", 2 * B)
@@ -127,9 +127,9 @@ def test_long_strided_rows_decode_one_row_a_call(dtype, monkeypatch):
     owed = torch.full((R, 3 * n), 0.5)
     for out, how in ((slots[:, n:2 * n], {}), (acc[:, n:2 * n], {"accumulate": True}),
                      (owed[:, n:2 * n], {"subtract": True})):
-        before = _common.calls["eager"]
+        before = common.calls["eager"]
         dequantize_rows(payloads, n, torch.float32, cfg, out=out, impl="eager", **how)
-        assert _common.calls["eager"] - before == 2 * R  # per row: full buckets, the tail
+        assert common.calls["eager"] - before == 2 * R  # per row: full buckets, the tail
     for r in range(R):
         assert torch.equal(bits_of(slots[r, n:2 * n]), bits_of(want[r].to(dtype))), r
         assert torch.equal(bits_of(acc[r, n:2 * n]), bits_of(want[r] + 1.0)), r
@@ -138,9 +138,9 @@ def test_long_strided_rows_decode_one_row_a_call(dtype, monkeypatch):
     assert torch.equal(acc[:, :n], torch.ones(R, n))
     assert torch.equal(owed[:, 2 * n:], torch.full((R, n), 0.5))
     whole = torch.empty(R, n, dtype=dtype)
-    before = _common.calls["eager"]
+    before = common.calls["eager"]
     dequantize_rows(payloads, n, torch.float32, cfg, out=whole, impl="eager")
-    assert _common.calls["eager"] - before == 2  # contiguous rows: one call of each kind
+    assert common.calls["eager"] - before == 2  # contiguous rows: one call of each kind
     assert all(torch.equal(bits_of(whole[r]), bits_of(want[r].to(dtype))) for r in range(R))
 
 

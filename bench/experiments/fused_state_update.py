@@ -20,8 +20,8 @@ import torch
 import qcomm
 from qcomm import QuantConfig
 from qcomm.codec import _payload_views
-from qcomm.cpu._common import unpack_codes
-from qcomm.cpu.quantize import _bucket_stats, _codes, _divisor_tensor
+from qcomm.cpu.common import unpack_codes
+from qcomm.cpu.quantize import bucket_stats, _codes, _divisor_tensor
 from qcomm.fsdp import DEFAULT_STATE as S
 
 Q = QuantConfig(bits=4, bucket_size=1024)
@@ -35,7 +35,7 @@ def graph(s_meta, s_codes, d_meta, d_codes, out, divisor):
     k = unpack_codes(d_codes, 4).unflatten(-1, (K, 128))
     y = s + (d_meta[..., None, 0:1] + k.to(torch.float32) * d_meta[..., None, 1:2])
     out.unflatten(-1, (K, 128)).copy_(y)
-    meta, per = _bucket_stats(y, None, sid=0, bits=8, l2=False, divisor=divisor)
+    meta, per = bucket_stats(y, None, sid=0, bits=8, l2=False, divisor=divisor)
     s_meta.copy_(torch.nan_to_num(meta, nan=0.0, posinf=0.0, neginf=0.0).flatten(-2))
     s_codes.copy_(_codes(y, per, None, sid=0, bits=8).to(torch.uint8).flatten(-2))
 

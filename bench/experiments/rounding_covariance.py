@@ -1,5 +1,5 @@
 """How correlated the stochastic-rounding errors of one bucket are, for the codec's
-uniforms (``uniform`` of the tuned torch path, ``qcomm/cpu/_common.py``) against
+uniforms (``uniform`` of the tuned torch path, ``qcomm/cpu/common.py``) against
 independent uniforms: the largest eigenvalue of the error covariance over SEEDS seeds,
 and the mean squared error per element (the same for all: 1/4 at most, what the
 variance bounds use).
@@ -21,7 +21,7 @@ import sys
 import torch
 
 from qcomm.constants import seed_key
-from qcomm.cpu import _common as R
+from qcomm.cpu import common as R
 
 
 def main(seeds: int = 2000, B: int = 1024) -> None:

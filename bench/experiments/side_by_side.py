@@ -125,7 +125,7 @@ def main(mode: str, label: str = "", scheme: str = "minmax", bits: str = "8,4") 
         from qcomm.constants import seed_key
         from qcomm.cpu import compiled
         from qcomm.cpu import quantize as cpu_quantize
-        from qcomm.cpu._common import index_tensor
+        from qcomm.cpu.common import index_tensor
 
         n, cfg = 2048, QuantConfig(bits=8)
         x = torch.randn(n)

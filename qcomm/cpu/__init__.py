@@ -18,6 +18,6 @@ measurement that made it. What it optimises:
 
 Files, one op each as in ``qcomm.kernels``: :mod:`~qcomm.cpu.quantize`,
 :mod:`~qcomm.cpu.dequantize`; shared pieces (hash, rounding, packing, bucket splits)
-in :mod:`~qcomm.cpu._common`; the compile cache in :mod:`~qcomm.cpu.compiled`.
+in :mod:`~qcomm.cpu.common`; the compile cache in :mod:`~qcomm.cpu.compiled`.
 Design notes and the measurements behind them: ``docs/cpu-path.md``.
 """

@@ -35,7 +35,7 @@ import types
 
 import torch
 
-from . import _common
+from . import common
 
 # Signatures kept per graph: one per distinct shape and layout of its calls (each a
 # small tuple); past this many, calls of new shapes keep going through Dynamo.
@@ -45,7 +45,7 @@ _lock = threading.Lock()
 
 # Calls of compiled pieces, by how they ran: "direct" (skipped Dynamo) or "dynamo" (one
 # counter with the eager pieces' calls)
-calls = _common.calls
+calls = common.calls
 
 
 @functools.cache

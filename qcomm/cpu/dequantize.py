@@ -10,7 +10,7 @@ import functools
 import torch
 
 from ..layout import effective_scheme_id, levels, meta_words
-from ._common import _pieces, _row_chunks, eager, store, unpack_codes
+from .common import pieces, row_chunks, eager, store, unpack_codes
 
 
 def dequantize(meta: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, config,
@@ -171,7 +171,7 @@ def dequantize_flat(
         group = lane_group(bits, B, torch.float32 if staged else out.dtype,
                            lanes=None if out.device.type == "cpu" else 16)
     rows = out.dim() == 2 and meta.dim() == 2  # [R, n]: row r decodes payload r
-    whole, singles = _pieces(out if rows else out.view(-1), meta, codes, bucket_size=B,
+    whole, singles = pieces(out if rows else out.view(-1), meta, codes, bucket_size=B,
                              bits=bits, words=meta_words(sid))
     run_whole = wrap(decode_buckets, group=group, bits=bits, bucket_size=B, sid=sid,
                      accumulate=accumulate)
@@ -182,7 +182,7 @@ def dequantize_flat(
     elif whole:
         o, m, c = whole
         per_row = out.shape[0] if rows else 1
-        chunks = _row_chunks(o.shape[-2], max(1, staged // per_row))
+        chunks = row_chunks(o.shape[-2], max(1, staged // per_row))
         buf = torch.empty(max(stop - r for r, stop in chunks) * B * per_row,
                           dtype=torch.float32, device=out.device)
         for r, stop in chunks:
@@ -321,7 +321,7 @@ def dequantize_sum(meta: torch.Tensor, codes: torch.Tensor, own: torch.Tensor,
     staged = out.dtype != torch.float32 and out.device.type == "cpu"
     group = lane_group(bits, B, torch.float32, lanes=None if out.device.type == "cpu" else 16)
     static = dict(rows=rows, op=op, bits=bits, bucket_size=B, sid=sid)
-    whole, singles = _pieces(out, meta, codes, bucket_size=B, bits=bits, words=meta_words(sid))
+    whole, singles = pieces(out, meta, codes, bucket_size=B, bits=bits, words=meta_words(sid))
     if whole:
         o, m, c = whole
         own_w = own[: o.numel()].view(o.shape)
@@ -329,7 +329,7 @@ def dequantize_sum(meta: torch.Tensor, codes: torch.Tensor, own: torch.Tensor,
         if not staged:
             run_whole(m, c, own_w, o, fac)
         else:
-            chunks = _row_chunks(o.shape[0], max(1, _STAGED // B))
+            chunks = row_chunks(o.shape[0], max(1, _STAGED // B))
             buf = torch.empty(max(stop - r for r, stop in chunks) * B, dtype=torch.float32,
                               device=out.device)
             for r, stop in chunks:

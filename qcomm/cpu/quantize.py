@@ -11,11 +11,11 @@ import torch
 
 from ..constants import BOOST, TINY
 from ..layout import effective_scheme_id, levels, meta_words
-from ._common import (
+from .common import (
     _bucket_reduce,
-    _pieces,
+    pieces,
     _round_codes,
-    _row_chunks,
+    row_chunks,
     divisor_for,
     eager,
     half_uniform,
@@ -116,7 +116,7 @@ def quantize_flat(
     # compile key, so a 2^31-element tensor gets its own graph.
     static = dict(bits=bits, bucket_size=B, sid=sid, l2=l2, stochastic=stochastic,
                   wide=n + B >= 2**31)
-    whole, singles = _pieces(x if x.dim() == 1 or rows else x.reshape(-1), meta_out,
+    whole, singles = pieces(x if x.dim() == 1 or rows else x.reshape(-1), meta_out,
                              codes_out, bucket_size=B, bits=bits, words=words)
     per_row = x.shape[0] if rows else 1
     if whole:
@@ -151,7 +151,7 @@ def quantize_flat(
         # store-forwarding stall: bf16 8-bit, 2^24, 0.57-0.60 -> 0.34-0.46 G elements/s),
         # so it keeps the in-graph arange.
         pos = positions(H, x.device) if fp32 else None
-        chunks = _row_chunks(n_buckets, CONVERT_CHUNK // (B * per_row) if via32
+        chunks = row_chunks(n_buckets, CONVERT_CHUNK // (B * per_row) if via32
                              else n_buckets if direct else ENCODE_CHUNK // (B * per_row))
         most = max(stop - start for start, stop in chunks) * B * per_row  # buffer elements
         scratch = buf32 = None
@@ -264,7 +264,7 @@ def encode_buckets(x, meta_out, lo_out, hi_out, pos, *, first, key, divisor, bit
     n_buckets, B = x.shape[-2:]
     H = B // 2
     xf = x.to(torch.float32)
-    meta, per = _bucket_stats(xf, None, sid=sid, bits=bits, l2=l2, divisor=divisor)
+    meta, per = bucket_stats(xf, None, sid=sid, bits=bits, l2=l2, divisor=divisor)
     meta_out.copy_(meta)
     if stochastic:
         itype = torch.int64 if wide else torch.int32
@@ -310,7 +310,7 @@ def encode_bucket(x, meta_out, codes_out, *, length, start, key, divisor, bucket
     pos = torch.arange(B, device=x.device)
     valid = (pos < length).view(1, B)
     padded = x.view(-1, B)  # [1, B], or [R, B] (rows, each with its own key)
-    meta, per = _bucket_stats(padded, valid, sid=sid, bits=bits, l2=l2, divisor=divisor)
+    meta, per = bucket_stats(padded, valid, sid=sid, bits=bits, l2=l2, divisor=divisor)
     if stochastic:
         index = start.to(torch.int64 if wide else torch.int32) + pos.to(torch.int32)
         u = uniform(index, key, B).view(-1, B)
@@ -325,7 +325,7 @@ def encode_bucket(x, meta_out, codes_out, *, length, start, key, divisor, bucket
 encode_bucket.static_shapes = True
 
 
-def _bucket_stats(xp, valid, *, sid, bits, l2, divisor):
+def bucket_stats(xp, valid, *, sid, bits, l2, divisor):
     """Per-bucket statistics of buckets ``xp`` [buckets, B] (fp32; ``valid`` masks the padding
     of a partial bucket, None: all valid): (meta [buckets, words] as the payload stores it,
     ``per``, what :func:`_codes` needs, four [buckets, 1] tensors: offset, boost s,
@@ -377,7 +377,7 @@ def _bucket_stats(xp, valid, *, sid, bits, l2, divisor):
 
 def _codes(x, per, u, *, sid, bits):
     """Codes (fp32, exact integers) of elements ``x`` [buckets, m] under their buckets'
-    ``per`` (:func:`_bucket_stats`), rounded with uniforms ``u`` (None: to nearest).
+    ``per`` (:func:`bucket_stats`), rounded with uniforms ``u`` (None: to nearest).
 
     A bad bucket (inf or NaN) has ``inv = 0`` and ``c = 0``: its level positions are 0
     for finite x and NaN (then 0) for the rest, the kernels' ``where(bad, 0, t)``

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import eager
+from .common import eager
 from .dequantize import dequantize
 from .quantize import quantize
 

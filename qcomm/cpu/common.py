@@ -160,7 +160,7 @@ def _zero_index(device: torch.device) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=device)
 
 
-def _pieces(flat, meta, codes, *, bucket_size, bits, words):
+def pieces(flat, meta, codes, *, bucket_size, bits, words):
     """Split the elements ``flat`` (1-D, or [R, n]: R rows of n, each a payload's),
     their ``meta`` and ``codes`` (1-D, or [R, ...] rows) into ``whole``, the full buckets
     as ``([..., buckets, B], [..., buckets, words], [..., buckets, B * bits / 8])``
@@ -193,9 +193,9 @@ def _rows(t: torch.Tensor, rows: int, width: int) -> torch.Tensor:
                                                                                       width)
 
 
-def _row_chunks(n_buckets: int, step: int) -> list[tuple[int, int]]:
+def row_chunks(n_buckets: int, step: int) -> list[tuple[int, int]]:
     """``[start, stop)`` ranges of at most ``step`` + 1 of ``n_buckets >= 2`` bucket rows, none of
-    one row: a lone last row joins the chunk before it (as in :func:`_pieces`, a [1, B]
+    one row: a lone last row joins the chunk before it (as in :func:`pieces`, a [1, B]
     call would compile a second graph)."""
     bounds = [*range(0, n_buckets, max(2, step)), n_buckets]
     if bounds[-1] - bounds[-2] == 1:

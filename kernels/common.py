@@ -43,7 +43,8 @@ def fmix32(h):
 
 @triton.jit
 def pair_hash(counter, key, WIDE: tl.constexpr):
-    """the oracle's pair hash (``qcomm.cpu._common.pair_hash``): fmix32 of a pair counter; no state.
+    """The oracle's pair hash (``qcomm.oracle.uniforms`` / ``fmix32``): fmix32 of a pair
+    counter; no state.
 
     ``WIDE``: ``counter`` is int64 and may reach 2^32. Otherwise it is int32 and the high
     word, always 0, is skipped (h ^ 0 * GOLDEN_HI == h): a 64-bit shift and a multiply
@@ -61,8 +62,8 @@ def pair_hash(counter, key, WIDE: tl.constexpr):
 
 @triton.jit
 def half_uniform(h, HIGH: tl.constexpr):
-    """``qcomm.cpu._common.half_uniform``: the low or high 16 bits of uint32 ``h`` as a uniform
-    in [0, 1) on a 2^-16 grid."""
+    """The oracle's uniforms (``qcomm.oracle.uniforms``): the low or high 16 bits of uint32
+    ``h`` as a uniform in [0, 1) on a 2^-16 grid."""
     if HIGH:
         b = h >> 16
     else:
@@ -76,7 +77,7 @@ BOOST = tl.constexpr(C.BOOST)
 
 @triton.jit
 def reciprocal_step(step):
-    """(s, 1 / (step * s)) of ``qcomm.cpu.quantize._bucket_stats``: ``v / step`` is computed as
+    """(s, 1 / (step * s)), ``qcomm.oracle.reciprocal``: ``v / step`` is computed as
     ``(v * s) * inv``, one division per bucket, not per element; 0 where ``step`` is not
     > 0."""
     s = tl.where(step < TINY, BOOST, 1.0)
@@ -86,7 +87,7 @@ def reciprocal_step(step):
 
 @triton.jit
 def round_codes(t, u, TOP: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """``qcomm.cpu._common._round_codes``: level position ``t >= 0`` to ``floor(t + u)``
+    """``qcomm.oracle.round_position``: level position ``t >= 0`` to ``floor(t + u)``
     (stochastic; one fp32 add, unfused: the kernels run with fusion off) or to nearest,
     ties down (``u`` unused); clamped to [0, TOP]."""
     if STOCHASTIC:
