@@ -62,7 +62,8 @@ from torch.distributed import ReduceOp
 from . import inner as I
 from .codec import dequantize_rows, dequantize_sum, quantize, quantize_rows
 from .config import QuantConfig
-from .driver import Call, exact_reduce, finish, inner_of, op_type, peer_bytes, premul_factor, run
+from .driver import (Call, exact_reduce, finish, group_state, inner_of, op_type, peer_bytes,
+                     premul_factor, run)
 from .layout import packed_nbytes
 
 _RedOpType = ReduceOp.RedOpType
@@ -498,7 +499,7 @@ def check_flat_pair(name: str, out, inp, group, *, gathered: bool):
     the caller, for the message); returns (out, inp, the resolved group, its size)."""
     out, inp = check_tensor("out", out), check_tensor("inp", inp)
     group = I.default(group)
-    world = group.size()
+    world = group_state(group).world
     _check_pair(name, out, inp, world, gathered=gathered)
     _check_contiguous(name, "out", out)
     _check_contiguous(name, "inp", inp)
@@ -521,7 +522,6 @@ def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group=None, *,
     return gather_into(group, outs, out, inp, config=config, async_op=async_op)
 
 
-@torch.no_grad()
 def gather_into(group, outs: list[torch.Tensor], out_flat: torch.Tensor | None,
                 inp: torch.Tensor, *, config=None, async_op: bool = False, exact=None,
                 can_compress: bool = True, prepare=None):
@@ -532,7 +532,7 @@ def gather_into(group, outs: list[torch.Tensor], out_flat: torch.Tensor | None,
     ``decode(p, a, b, rows)`` for :func:`packed_all_gather`) for a compressed call:
     :class:`qcomm.fsdp.DeltaAllGather` sends differences and decodes through its state."""
     group = I.default(group)
-    world, n = group.size(), inp.numel()
+    world, n = group_state(group).world, inp.numel()
 
     def run_exact():
         inner = inner_of(group)
@@ -564,7 +564,6 @@ def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op=ReduceOp.SUM,
     return scatter_from(group, out, chunks, inp, op, config=config, async_op=async_op)
 
 
-@torch.no_grad()
 def scatter_from(group, out: torch.Tensor, chunks: list[torch.Tensor],
                  inp_flat: torch.Tensor | None, op, *, config=None, async_op: bool = False,
                  exact=None, can_compress: bool = True, residuals=None):
@@ -574,7 +573,7 @@ def scatter_from(group, out: torch.Tensor, chunks: list[torch.Tensor],
     ``residuals(world, n, dtype, device, parts)``, when given, returns the error-feedback
     state of a compressed call (:func:`packed_reduce_scatter`; ``parts`` its pieces)."""
     group = I.default(group)
-    world, n = group.size(), out.numel()
+    world, n = group_state(group).world, out.numel()
 
     def run_exact():
         inner = inner_of(group)
@@ -613,7 +612,6 @@ def scatter_from(group, out: torch.Tensor, chunks: list[torch.Tensor],
                keep=[inp_flat] if inp_flat is not None else chunks)
 
 
-@torch.no_grad()
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *, config=None,
                async_op: bool = False):
     """Reduce ``tensor`` in place over the group (SUM, AVG, PREMUL_SUM compressed by
@@ -621,14 +619,15 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *, config=None
     Like :func:`torch.distributed.all_reduce`."""
     tensor = check_tensor("tensor", tensor)
     group = I.default(group)
-    world, numel = group.size(), tensor.numel()
+    world, numel = group_state(group).world, tensor.numel()
     chunk = -(-numel // world)
 
     def run_exact():
         inner = inner_of(group)
         send_op, factor, avg = exact_reduce(op, tensor, inner)
         if factor is not None:  # the tensor is the output: scaled in place
-            tensor.mul_(factor)
+            with torch.no_grad():
+                tensor.mul_(factor)
         return finish(I.all_reduce(inner, tensor, send_op), async_op, "all_reduce",
                       inner.rank(), divide=(tensor, world) if avg else None)
 

@@ -97,6 +97,9 @@ class GroupState:
     def __init__(self, config: CommConfig, inner, *, agreed: bool = False,
                  connect: bool = False) -> None:
         self.config = config
+        # The group's size, asked once: ProcessGroup.size() costs ~2.5 us a call through
+        # pybind, and an exact call asked it four times (bench/experiments/exact_path.py)
+        self.world = inner.size() if inner is not None else 1
         # The group that moves the bytes. A plain group's state starts on the group
         # itself and, with ``connect``, moves to connections of its own at its first
         # call through qcomm (handshake.ensure_agreed, Subgroups.own).
@@ -293,7 +296,8 @@ def finish(work, async_op: bool, kind: str, rank: int, divide=None):
 
         def divided(future):
             future.value()  # raises the inner call's failure into this Work
-            out.div_(k)
+            with torch.no_grad():
+                out.div_(k)
             return [out]
 
         try:
@@ -305,7 +309,8 @@ def finish(work, async_op: bool, kind: str, rank: int, divide=None):
     if work is not None:
         I.wait(work, kind, "the exact (uncompressed) call", rank)
     if divide is not None:
-        divide[0].div_(divide[1])
+        with torch.no_grad():
+            divide[0].div_(divide[1])
     return I.completed_work([divide[0]]) if async_op else None
 
 
@@ -409,17 +414,17 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
     inner = state.inner
     q = quant_config(kind, state, config)
     if not (can_compress and state.plan != EXACT and purpose.may_compress(state)
-            and compressible(tensor, numel, group.size(), q, state.config.min_numel, op)):
+            and compressible(tensor, numel, state.world, q, state.config.min_numel, op)):
         state.stats.record(kind, compressed=False, logical=logical, wire=logical,
                            intra=split_intra(state, logical))
         state.engine.drain()  # the inner group's calls in every rank's same order
         return exact()
     with state.lock:  # the call index, in the caller's order (seeds)
-        call = Call(kind, inner, state, q, state.next_call(), inner.rank(), group.size())
+        call = Call(kind, inner, state, q, state.next_call(), inner.rank(), state.world)
 
     def body() -> None:
         state.check_failed()  # a call queued behind one that failed
-        with state.lock:
+        with state.lock, torch.no_grad():
             try:
                 wire, intra = compressed(call)
             except handshake.Refused:

@@ -111,7 +111,7 @@ def ensure_agreed(group, state, kind: str, device: torch.device) -> None:
     must hold the same :class:`CommConfig` (``state.config``), or ranks would choose
     differently between compressed and exact calls; the same exchange tells every rank
     each member's node (``state.learn_topology``)."""
-    if state.agreed or group.size() == 1:
+    if state.agreed or state.world == 1:
         return
     with state.lock:
         if state.agreed:
