@@ -66,7 +66,7 @@ from . import driver, handshake
 from .codec import dequantize_rows, quantize_rows, update_state_rows
 from .config import CommConfig, QuantConfig
 from .layout import HEADER_NBYTES, meta_nbytes, packed_nbytes
-from .process_group import QcommProcessGroup
+from .process_group import QcommProcessGroup, wrap
 
 try:  # torch >= 2.9
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGatherBase
@@ -380,15 +380,23 @@ class CompressedReduceScatter(_ReduceScatterBase):
 class Compression:
     """What :func:`compress` installed: ``remove()`` puts FSDP's own comms back."""
 
-    def __init__(self, installed: list, groups: list) -> None:
+    def __init__(self, installed: list, groups: list, replicate: list) -> None:
         self.installed = installed  # (module, previous all-gather, previous reduce-scatter)
-        self.groups = groups  # the groups whose calls now go through qcomm
+        self.groups = groups  # the groups whose all-gathers and reduce-scatters go through qcomm
+        self.replicate = replicate  # HSDP: (mesh info, its replicate group, the qcomm group)
+
+    @property
+    def replicate_groups(self) -> list:
+        """The qcomm groups HSDP's replicate all-reduces now run on."""
+        return list({id(q): q for _, _, q in self.replicate}.values())
 
     def remove(self) -> None:
         for module, all_gather, reduce_scatter in self.installed:
             module.set_custom_all_gather(all_gather)
             module.set_custom_reduce_scatter(reduce_scatter)
-        self.installed = []
+        for info, group, _ in self.replicate:
+            info.replicate_process_group = group
+        self.installed, self.replicate = [], []
 
 
 def _param_groups(module) -> list:
@@ -412,9 +420,13 @@ def compress(module: torch.nn.Module, config: CommConfig | None = None, *,
     every rank (the group's config and nodes are agreed here, once). Compose with
     :func:`quantize_weight_deltas` / :func:`feed_back_gradient_errors` by calling them
     after: their all-gathers or reduce-scatters replace these for their modules.
-    Returns a :class:`Compression`; ``remove()`` undoes it. HSDP's replicate all-reduce
-    is not covered (torch's ``set_all_reduce_hook`` runs after it); use
-    ``init_device_mesh(..., backend_override={"replicate": "qcomm"})`` for it."""
+    Returns a :class:`Compression`; ``remove()`` undoes it.
+
+    HSDP's replicate all-reduce: torch's ``set_all_reduce_hook`` runs *after* it, so it
+    cannot stand in for it; FSDP issues it with ``dist.all_reduce`` on its mesh info's
+    replicate group, which this replaces by a :func:`qcomm.wrap` of that group (one per
+    group; collective, like every step here): compressed there, the group itself left
+    as it is for every other caller (torch >= 2.9's ``HSDPMeshInfo``)."""
     if config is not None and not isinstance(config, CommConfig):
         raise TypeError(f"compress: config must be a qcomm.CommConfig or None, got {config!r}")
     mods = _modules("compress", "set_custom_all_gather", module, include)
@@ -437,10 +449,20 @@ def compress(module: torch.nn.Module, config: CommConfig | None = None, *,
         state = driver.group_state(group, config)
         device = torch.device(_device_type(mods[0]))
         handshake.ensure_agreed(group, state, "all_gather", device)
+    replicate, made = [], {}
+    for m, _, _ in installed:
+        info = _param_groups(m)[0].mesh_info
+        group = getattr(info, "replicate_process_group", None)
+        if group is None or isinstance(group, QcommProcessGroup):
+            continue  # not HSDP, or this mesh info's group is swapped already
+        if id(group) not in made:
+            made[id(group)] = wrap(group, config)
+        replicate.append((info, group, made[id(group)]))
+        info.replicate_process_group = made[id(group)]
     for m, _, _ in installed:
         m.set_custom_all_gather(CompressedAllGather())
         m.set_custom_reduce_scatter(CompressedReduceScatter())
-    return Compression(installed, groups)
+    return Compression(installed, groups, replicate)
 
 
 def _device_type(module) -> str:

@@ -137,10 +137,7 @@ class QcommProcessGroup(dist.ProcessGroup):
         twin = QcommProcessGroup(self.inner, self.config, owns_inner=False, exact=True)
         twin._qcomm_state = self._qcomm_state
         twin._qcomm_name = purpose.register_twin(name)
-        try:
-            _c10d._unregister_process_group(twin._qcomm_name)  # a re-made group's name
-        except (KeyError, RuntimeError, ValueError):
-            pass
+        _unregister(twin._qcomm_name)  # a re-made group's name
         _c10d._register_process_group(twin._qcomm_name, twin)
         self._qcomm_twin = twin
 
@@ -290,10 +287,7 @@ class QcommProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         if self._qcomm_twin is not None:
             purpose.forget_twin(self._qcomm_name)
-            try:
-                _c10d._unregister_process_group(self._qcomm_twin._qcomm_name)
-            except (KeyError, RuntimeError, ValueError):
-                pass
+            _unregister(self._qcomm_twin._qcomm_name)
             self._qcomm_twin = None
         if self._qcomm_exact:
             return  # the twin's group owns everything it uses
@@ -305,6 +299,14 @@ class QcommProcessGroup(dist.ProcessGroup):
     def abort(self) -> None:
         if self._owns_inner:
             self.inner.abort()
+
+
+def _unregister(name: str) -> None:
+    """Drop ``name`` from torch's registry of groups by name, if it is there."""
+    try:
+        _c10d._unregister_process_group(name)
+    except (KeyError, RuntimeError, ValueError):
+        pass
 
 
 def _forward(name: str):

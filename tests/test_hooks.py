@@ -102,6 +102,44 @@ def test_fsdp2_compress_matches_the_backend_route():
                 assert abs(a - e) <= 0.02 * abs(e), (compiled, r["hook"])
 
 
+def _hsdp_body(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    res = {}
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard"))
+    for route in ("exact", "hook"):
+        torch.manual_seed(0)
+        model = TinyLM(64)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        handle = qcomm.fsdp.compress(model) if route == "hook" else None
+        res[route] = _train(model, rank)
+        if handle is not None:
+            res["replicate"] = [_totals(g) for g in handle.replicate_groups]
+            res["shard"] = _totals(mesh.get_group("shard"))
+            handle.remove()
+            res["restored"] = all(isinstance(m._get_fsdp_state()._fsdp_param_groups[0]
+                                             .mesh_info.replicate_process_group,
+                                             dist.ProcessGroup) and not isinstance(
+                m._get_fsdp_state()._fsdp_param_groups[0].mesh_info.replicate_process_group,
+                qcomm.QcommProcessGroup) for m in qcomm.fsdp.fsdp_modules(model))
+    return res
+
+
+def test_hsdp_compress_covers_the_replicate_all_reduce():
+    """HSDP on 2 x 2 (replicate x shard), every rank its own node: compress() sends the
+    shard dimension's all-gathers and reduce-scatters and the replicate dimension's
+    all-reduce through qcomm, at the exact run's loss; remove() gives the groups back."""
+    for r in run_ranks(_hsdp_body, 4, backend="gloo", timeout=240):
+        assert len(r["replicate"]) == 1 and r["replicate"][0]["compressed"]["all_reduce"] > 0, r
+        assert r["shard"]["compressed"]["reduce_scatter"] > 0, r
+        assert r["restored"], r
+        for a, e in zip(r["hook"], r["exact"], strict=True):
+            assert abs(a - e) <= 0.02 * abs(e), (r["hook"], r["exact"])
+
+
 def _ddp_body(rank, world):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
