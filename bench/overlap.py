@@ -83,7 +83,12 @@ def worker(spec: dict) -> None:
     os.environ.update(QCOMM_AG_BITS="8", QCOMM_RS_BITS="8")
     import qcomm  # noqa: F401 (registers the backend)
 
-    qgroup = dist.new_group(backend="qcomm")
+    # one qcomm group per variant: QCOMM_ASYNC is read when a group is made
+    qgroups = {}
+    for flag, variant in (("1", "qcomm8"), ("0", "qcomm8-sync")):
+        os.environ["QCOMM_ASYNC"] = flag
+        qgroups[variant] = dist.new_group(backend="qcomm")
+    os.environ.pop("QCOMM_ASYNC")
     clock = _Clock(dist, ref)
     n = spec["numel"]
     a = (torch.randn(MATMUL, MATMUL), torch.randn(MATMUL, MATMUL), torch.empty(MATMUL, MATMUL))
@@ -102,14 +107,12 @@ def worker(spec: dict) -> None:
         samples = {v: {"comm": [], "compute": [], "serial": [], "overlap": []}
                    for v in spec["variants"]}
         for v in spec["variants"]:  # warm-up (compile, buffers) and calibration
-            os.environ["QCOMM_ASYNC"] = "0" if v.endswith("-sync") else "1"
-            group = ref if v == "exact" else qgroup
+            group = ref if v == "exact" else qgroups[v]
             call(group, False)
         for k in range(spec["rounds"]):
             for v in spec["variants"][k % len(spec["variants"]):] + \
                     spec["variants"][:k % len(spec["variants"])]:
-                os.environ["QCOMM_ASYNC"] = "0" if v.endswith("-sync") else "1"
-                group = ref if v == "exact" else qgroup
+                group = ref if v == "exact" else qgroups[v]
                 comm = clock(lambda group=group: call(group, False))
                 units = max(1, round(comm / unit))
                 s = samples[v]

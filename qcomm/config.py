@@ -4,7 +4,8 @@ place that reads the environment.
 Every knob lives here: :func:`comm_config_from_env` maps the ``QCOMM_*`` variables of a
 group onto a :class:`CommConfig` (a bad value fails at group creation naming the
 variable); :func:`compile_enabled`, :func:`triton_interpreted` and :func:`triton_warps`
-are the codec's process-wide switches. No other module reads ``os.environ``.
+are the codec's process-wide switches (read per call or once per process, not per
+group). No other module reads ``os.environ``.
 """
 
 from __future__ import annotations
@@ -114,6 +115,9 @@ class CommConfig:
     # are NVLink or shared memory: compression only costs kernel time and accuracy)
     # or "compress" anyway.
     intra_node: str = "exact"
+    # Whether an async_op=True compressed call returns at once (True: it runs on the
+    # group's worker thread on CPU, its stream on CUDA) or completes first (False).
+    asynchronous: bool = True
 
     def __post_init__(self) -> None:
         for name in ("all_gather", "reduce_scatter", "all_reduce"):
@@ -134,6 +138,8 @@ class CommConfig:
         if self.intra_node not in INTRA_NODE:
             raise ValueError(f"CommConfig.intra_node must be one of {INTRA_NODE}, "
                              f"got {self.intra_node!r}")
+        if not isinstance(self.asynchronous, bool):
+            raise TypeError(f"CommConfig.asynchronous must be a bool, got {self.asynchronous!r}")
         if self.inner is not None and not isinstance(self.inner, str):
             raise TypeError(f"CommConfig.inner must be a backend name or None, got {self.inner!r}")
 
@@ -179,7 +185,8 @@ def comm_config_from_env(
     ``QCOMM_AG_BITS``, ``QCOMM_RS_BITS``, ``QCOMM_AR_BITS`` (1-8 or ``off``),
     ``QCOMM_BUCKET``, ``QCOMM_SCHEME``, ``QCOMM_NORM``, ``QCOMM_ROUNDING``,
     ``QCOMM_MIN_NUMEL``, ``QCOMM_SEED``, ``QCOMM_INNER``, ``QCOMM_TOPOLOGY``
-    (``auto``/``flat``), ``QCOMM_INTRA_NODE`` (``exact``/``compress``); ``QCOMM_AG_BUCKET``,
+    (``auto``/``flat``), ``QCOMM_INTRA_NODE`` (``exact``/``compress``), ``QCOMM_ASYNC``
+    (``0``/``1``); ``QCOMM_AG_BUCKET``,
     ``QCOMM_RS_SCHEME``, ... (``AG``/``RS``/``AR`` x ``BUCKET``/``SCHEME``/``NORM``/
     ``ROUNDING``) set one collective and win over the common one. Unset variables keep
     ``base`` (default: :class:`CommConfig()`). A bad value raises ``ValueError``
@@ -225,8 +232,12 @@ def comm_config_from_env(
         if raw and raw not in allowed:
             raise ValueError(f"{var}={raw!r}: expected one of {allowed}")
         choice[field_] = raw or getattr(base, field_)
+    raw_async = env.get("QCOMM_ASYNC", "").strip()
+    if raw_async not in ("", "0", "1"):
+        raise ValueError(f"QCOMM_ASYNC={raw_async!r}: expected 0 or 1")
     return CommConfig(
         **choice,
+        asynchronous=base.asynchronous if not raw_async else raw_async == "1",
         all_gather=one("AG", base.all_gather),
         reduce_scatter=one("RS", base.reduce_scatter),
         all_reduce=one("AR", base.all_reduce),
@@ -246,14 +257,6 @@ def compile_enabled(env: Mapping[str, str] | None = None) -> bool:
     test or benchmark can switch it."""
     env = os.environ if env is None else env
     return env.get("QCOMM_COMPILE", "1").strip() != "0"
-
-
-def async_enabled(env: Mapping[str, str] | None = None) -> bool:
-    """``QCOMM_ASYNC``: ``0`` runs asynchronous compressed calls on CPU in the caller's
-    thread (completed before they return, as before qcomm.engine); anything else, or
-    unset, runs them on the group's worker thread. Read per call."""
-    env = os.environ if env is None else env
-    return env.get("QCOMM_ASYNC", "1").strip() != "0"
 
 
 def triton_interpreted(env: Mapping[str, str] | None = None) -> bool:

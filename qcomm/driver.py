@@ -36,7 +36,7 @@ from torch.distributed import ReduceOp
 from . import handshake, purpose
 from . import inner as I
 from .codec import FLOAT_DTYPES
-from .config import CommConfig, QuantConfig, async_enabled, comm_config_from_env
+from .config import CommConfig, QuantConfig, comm_config_from_env
 from .engine import AsyncWork, Engine, on_side_stream
 from .envelope import Envelope
 from .stats import Stats
@@ -434,7 +434,7 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
                 raise
         state.stats.record(kind, compressed=True, logical=logical, wire=wire, intra=intra)
 
-    if async_op and async_enabled():
+    if async_op and state.config.asynchronous:
         if tensor.device.type == "cpu":
             return state.engine.submit(body, result)  # qcomm.engine: off the caller's thread
         if tensor.device.type == "cuda":  # on qcomm's stream, after the caller's

@@ -55,3 +55,15 @@ def test_process_wide_switches(monkeypatch):
         with pytest.raises(ValueError, match="QCOMM_TRITON_WARPS"):
             config.triton_warps()
     config.triton_warps.cache_clear()
+
+
+def test_async_switch_is_part_of_the_config():
+    """QCOMM_ASYNC is read once, into the group's frozen config; a bad value names it."""
+    assert CommConfig().asynchronous is True
+    assert comm_config_from_env({"QCOMM_ASYNC": "0"}).asynchronous is False
+    assert comm_config_from_env({"QCOMM_ASYNC": "1"}).asynchronous is True
+    assert comm_config_from_env({}, base=CommConfig(asynchronous=False)).asynchronous is False
+    with pytest.raises(ValueError, match="QCOMM_ASYNC='yes'"):
+        comm_config_from_env({"QCOMM_ASYNC": "yes"})
+    with pytest.raises(TypeError, match="asynchronous must be a bool"):
+        CommConfig(asynchronous=0)
