@@ -209,6 +209,24 @@ def test_collectives_shaped_link(tmp_path):
     assert (tmp_path / "speedup-vs-link.png").exists() == common.have_matplotlib()
 
 
+@pytest.mark.skipif(not ROOT_AND_IP, reason="network namespaces need root and iproute2")
+def test_wire_counts_the_interfaces(tmp_path):
+    """bench wire, two unshaped hosts: the interface's bytes against the stats and the
+    exact calls' bytes, the namespaces torn down after."""
+    before = _netns()
+    assert main(["wire", "--models", "demo", "--variants", "exact,qcomm8", "--steps", "2",
+                 "--timeout", "180", "--out", str(tmp_path), "--no-plot"]) == 0
+    assert _netns() == before
+    _, rows = _load(tmp_path / "wire-unshaped.json")
+    got = {r["variant"]: r for r in rows}
+    assert set(got) == {"exact", "qcomm8"}
+    assert got["qcomm8"]["calls_compressed"] > 0 and got["exact"]["calls_compressed"] == 0
+    # every interface sent at least what the stats say went to peers, and not much more
+    for r in rows:
+        assert 0.5 < r["stats_vs_iface"] <= 1.0, r
+    assert 3.0 < got["qcomm8"]["ratio"] < got["qcomm8"]["codec"], got["qcomm8"]
+
+
 def test_node_layout():
     assert link.node_layout(None, None, 4) is None  # no --nodes: the caller's default
     assert link.node_layout(2, 2, None) == [0, 0, 1, 1]
