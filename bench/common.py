@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -234,12 +235,20 @@ def _version(module: str) -> str | None:
 
 
 def _git_commit() -> str | None:
+    """The commit the results came from; a tree with uncommitted changes is named by
+    the sha256 of its ``git diff HEAD`` too (``<commit>-dirty-<12 hex>``), so that a
+    result can be traced to the exact code that made it."""
     try:
         out = subprocess.run(
             ["git", "-C", str(ROOT), "describe", "--always", "--dirty", "--abbrev=10"],
             capture_output=True, text=True, timeout=10,
         )
-        return out.stdout.strip() or None
+        commit = out.stdout.strip() or None
+        if commit and commit.endswith("-dirty"):
+            diff = subprocess.run(["git", "-C", str(ROOT), "diff", "HEAD"],
+                                  capture_output=True, timeout=30).stdout
+            commit += "-" + hashlib.sha256(diff).hexdigest()[:12]
+        return commit
     except (OSError, subprocess.SubprocessError):
         return None
 

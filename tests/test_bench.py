@@ -456,3 +456,20 @@ def test_memory_bench_on_cuda_without_a_gpu_says_so():
         main(["memory", "--device", "cuda", "--layers", "1", "--width", "64"])
     with pytest.raises(SystemExit, match="--device cuda: torch sees no CUDA device"):
         main(["launches", "--device", "cuda"])
+
+
+def test_a_dirty_tree_is_named_by_its_diff(monkeypatch):
+    """Results from a tree with uncommitted changes carry the hash of the diff."""
+    outputs = {"describe": "abc1234567-dirty\n", "diff": b"diff --git a/x b/x\n+1\n"}
+
+    def fake_run(args, **kwargs):
+        import subprocess
+        out = outputs["describe"] if "describe" in args else outputs["diff"]
+        return subprocess.CompletedProcess(args, 0, stdout=out)
+
+    monkeypatch.setattr(common.subprocess, "run", fake_run)
+    import hashlib
+    want = hashlib.sha256(outputs["diff"]).hexdigest()[:12]
+    assert common._git_commit() == f"abc1234567-dirty-{want}"
+    outputs["describe"] = "abc1234567\n"
+    assert common._git_commit() == "abc1234567"
