@@ -381,10 +381,11 @@ def run_on(rate: str, argv: list[str], world: int = 2, *, timeout_s: float = 600
 
 
 def run_spec(module: str, spec: dict, world: int, *, timeout_s: float,
-             env: dict | None = None) -> list:
-    """Run ``python -m module --worker SPEC`` as ``world`` ranks on loopback, ``spec``
-    (a dict, JSON) handed over in a file with ``spec["result"]`` set, the repository
-    on their path; returns each rank's result, what it gave :func:`worker_done`."""
+             env: dict | None = None, link: ShapedLink | None = None) -> list:
+    """Run ``python -m module --worker SPEC`` as ``world`` ranks on loopback (or behind
+    ``link``), ``spec`` (a dict, JSON) handed over in a file with ``spec["result"]`` set,
+    the repository on their path; returns each rank's result, what it gave
+    :func:`worker_done`."""
     import json
 
     root = str(Path(__file__).resolve().parents[1])
@@ -394,7 +395,8 @@ def run_spec(module: str, spec: dict, world: int, *, timeout_s: float,
         spec = {**spec, "result": str(Path(tmp) / "rank")}
         path = Path(tmp) / "spec.json"
         path.write_text(json.dumps(spec))
-        run_ranks(["-m", module, "--worker", str(path)], world, timeout_s=timeout_s, env=env)
+        run_ranks(["-m", module, "--worker", str(path)], world, link=link,
+                  timeout_s=timeout_s, env=env)
         return [json.loads(Path(spec["result"] + str(r)).read_text()) for r in range(world)]
 
 

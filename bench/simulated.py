@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 import qcomm
 from qcomm import inner as I
 

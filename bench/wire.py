@@ -31,13 +31,13 @@ import datetime
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from . import common
-from .link import UNSHAPED, LinkError, ShapedLink, parse_rate, pin_this_rank, run_ranks
+from .link import (UNSHAPED, LinkError, ShapedLink, parse_rate, pin_this_rank, run_spec,
+                   worker_done)
 
 MODELS = ("demo", "mlp")
 VARIANTS = ("exact", "qcomm8", "qcomm4")
@@ -85,7 +85,7 @@ def worker(spec: dict) -> None:
 
     pin_this_rank()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec["op_timeout"]))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     ifname = os.environ["GLOO_SOCKET_IFNAME"]
     rows = []
     for model_name in spec["models"]:
@@ -119,11 +119,7 @@ def worker(spec: dict) -> None:
                          "compressed": sum(v.calls_compressed for v in s.values()),
                          "exact": sum(v.calls_exact for v in s.values())})
             dist.destroy_process_group(group)
-    Path(f"{spec['result']}{rank}").write_text(json.dumps(rows))
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # as bench.collectives: skip the interpreter's teardown
+    worker_done(spec, rank, rows)
 
 
 def codec_ratio(bits: int) -> float:
@@ -180,22 +176,15 @@ def main(args) -> int:
     header["sweep"] = {"models": args.models, "variants": args.variants,
                        "steps": args.steps, "world": 2}
     print(common.format_header(header), flush=True)
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(common.ROOT),
-                                                       os.environ.get("PYTHONPATH")])),
-           "QCOMM_COMPILE": os.environ.get("QCOMM_COMPILE", "0")}
-    with tempfile.TemporaryDirectory(prefix="qcomm-bench-") as tmp:
-        spec = {"models": args.models, "variants": args.variants, "steps": args.steps,
-                "op_timeout": args.op_timeout, "result": str(Path(tmp) / "rank")}
-        spec_path = Path(tmp) / "spec.json"
-        spec_path.write_text(json.dumps(spec))
-        try:
-            with ShapedLink(args.link) as link:
-                run_ranks(["-m", "bench.wire", "--worker", str(spec_path)], 2, link=link,
-                          timeout_s=args.timeout, env=env)
-        except LinkError as err:
-            print(f"python -m bench wire: {err}", file=sys.stderr)
-            return 2
-        per_rank = [json.loads(Path(f"{spec['result']}{r}").read_text()) for r in range(2)]
+    spec = {"models": args.models, "variants": args.variants, "steps": args.steps,
+            "op_timeout": args.op_timeout}
+    try:
+        with ShapedLink(args.link) as link:
+            per_rank = run_spec("bench.wire", spec, 2, timeout_s=args.timeout, link=link,
+                                env={"QCOMM_COMPILE": os.environ.get("QCOMM_COMPILE", "0")})
+    except LinkError as err:
+        print(f"python -m bench wire: {err}", file=sys.stderr)
+        return 2
     rows = summarize(per_rank)
     common.report("wire", header, COLUMNS, rows, args.out, f"wire-{args.link}")
     for r in rows:
