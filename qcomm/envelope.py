@@ -150,8 +150,9 @@ class Exchange:
         self.send = send.view(self.world, self.size)
         self.send[:, :DESC_NBYTES].copy_(
             torch.frombuffer(bytearray(desc), dtype=torch.uint8).expand(self.world, -1))
-        # zeros where no payload goes: no bytes of an earlier call on the wire
-        self.send[:, DESC_NBYTES:].zero_()
+        # zeros where no payload goes: no bytes of an earlier call on the wire (a riding
+        # call's payloads fill the body: only the room past it, 0 bytes when predicted)
+        self.send[:, DESC_NBYTES + (body if self.rides else 0):].zero_()
         recv = state.buffers.get("env_recv", self.world * self.size, torch.uint8, device)
         self.recv = recv.view(self.world, self.size)
         self.work = None

@@ -199,7 +199,15 @@ class PieceState:
         return x
 
 
-class _PerModule:
+class _Allocate:
+    """FSDP2's ``Comm.allocate``: plain ``torch.empty`` buffers (shared by every comm here)."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class _PerModule(_Allocate):
     """State one FSDP module's collective keeps across calls: one :class:`PieceState`
     per (group, world, shard numel, dtype, device, pieces), zero at first."""
 
@@ -227,10 +235,6 @@ class _PerModule:
         if got is None:
             got = self._states[key] = PieceState(self.state, world, n, dtype, device, parts)
         return got
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
 
 class DeltaAllGather(_PerModule, _AllGatherBase):
@@ -348,14 +352,10 @@ def _install(fn: str, setter: str, module: torch.nn.Module, include, make) -> li
 # The hook route: FSDP2's own comm hooks over the group FSDP already uses
 
 
-class CompressedAllGather(_AllGatherBase):
+class CompressedAllGather(_Allocate, _AllGatherBase):
     """FSDP2's all-gather through qcomm's driver on FSDP's own group (a plain gloo or
     NCCL group: its qcomm state holds the config, seeds, stats and connections of its
     own; :func:`compress`)."""
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False):
@@ -363,13 +363,9 @@ class CompressedAllGather(_AllGatherBase):
                                         async_op=async_op)
 
 
-class CompressedReduceScatter(_ReduceScatterBase):
+class CompressedReduceScatter(_Allocate, _ReduceScatterBase):
     """FSDP2's reduce-scatter through qcomm's driver on FSDP's own group
     (:func:`compress`)."""
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -442,12 +438,12 @@ def compress(module: torch.nn.Module, config: CommConfig | None = None, *,
             if all(group is not g for g in groups):
                 groups.append(group)
         installed.append((m, pg._all_gather_comm, pg._reduce_scatter_comm))
+    device = torch.device(_device_type(mods[0]))
     for group in groups:
         if isinstance(group, QcommProcessGroup):
             raise ValueError("compress: FSDP's group is already a qcomm group (the backend "
                              "route); its calls compress without hooks")
         state = driver.group_state(group, config)
-        device = torch.device(_device_type(mods[0]))
         handshake.ensure_agreed(group, state, "all_gather", device)
     replicate, made = [], {}
     for m, _, _ in installed:
