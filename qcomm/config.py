@@ -182,7 +182,8 @@ def comm_config_from_env(
 ) -> CommConfig:
     """Map ``QCOMM_*`` environment variables onto a :class:`CommConfig`.
 
-    ``QCOMM_AG_BITS``, ``QCOMM_RS_BITS``, ``QCOMM_AR_BITS`` (1-8 or ``off``),
+    ``QCOMM_BITS`` (1-8 or ``off``, all three collectives), ``QCOMM_AG_BITS``,
+    ``QCOMM_RS_BITS``, ``QCOMM_AR_BITS`` (one collective's, over ``QCOMM_BITS``),
     ``QCOMM_BUCKET``, ``QCOMM_SCHEME``, ``QCOMM_NORM``, ``QCOMM_ROUNDING``,
     ``QCOMM_MIN_NUMEL``, ``QCOMM_SEED``, ``QCOMM_INNER``, ``QCOMM_TOPOLOGY``
     (``auto``/``flat``), ``QCOMM_INTRA_NODE`` (``exact``/``compress``), ``QCOMM_ASYNC``
@@ -213,7 +214,7 @@ def comm_config_from_env(
     def one(prefix: str, current: QuantConfig | None) -> QuantConfig | None:
         var = f"QCOMM_{prefix}_BITS"
         default_bits = None if current is None else current.bits
-        bits = _parse_bits(env, var, default_bits)
+        bits = _parse_bits(env, var, _parse_bits(env, "QCOMM_BITS", default_bits))
         if bits is None:
             return None
         start = current if current is not None else template
@@ -245,6 +246,37 @@ def comm_config_from_env(
         seed=_parse_int(env, "QCOMM_SEED", base.seed),
         inner=inner,
     )
+
+
+# Every variable comm_config_from_env reads, the source of the keys env_from_keys takes.
+VARIABLES: tuple[str, ...] = (
+    "QCOMM_BITS", "QCOMM_BUCKET", "QCOMM_SCHEME", "QCOMM_NORM", "QCOMM_ROUNDING",
+    *(f"QCOMM_{p}_{k}" for p in ("AG", "RS", "AR")
+      for k in ("BITS", "BUCKET", "SCHEME", "NORM", "ROUNDING")),
+    "QCOMM_MIN_NUMEL", "QCOMM_SEED", "QCOMM_INNER", "QCOMM_TOPOLOGY", "QCOMM_INTRA_NODE",
+    "QCOMM_ASYNC",
+)
+
+
+def env_from_keys(text: str) -> dict[str, str]:
+    """A config written as keys, ``"bits=4,scheme=nuq,ag_rounding=nearest"``, as the
+    ``QCOMM_*`` variables it stands for (key = the variable's name after ``QCOMM_``,
+    any case); ``"exact"`` is ``bits=off``. The benchmarks take their variants in this
+    form, so a variant is spelled as the environment that configures a real job.
+    Raises ``ValueError`` naming an unknown key or a bad value."""
+    if text.strip() == "exact":
+        return {"QCOMM_BITS": "off"}
+    env = {}
+    for item in (t.strip() for t in text.split(",")):
+        key, sep, value = item.partition("=")
+        var = "QCOMM_" + key.strip().upper()
+        if not sep or not value.strip() or var not in VARIABLES:
+            keys = ", ".join(v[len("QCOMM_"):].lower() for v in VARIABLES)
+            raise ValueError(f"bad config {text!r}: {item!r} is not KEY=VALUE with KEY one of "
+                             f"{keys} (or the whole config 'exact')")
+        env[var] = value.strip()
+    comm_config_from_env(env)  # a bad value raises here, naming its variable
+    return env
 
 
 # ---------------------------------------------------------------------------------

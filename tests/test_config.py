@@ -67,3 +67,26 @@ def test_async_switch_is_part_of_the_config():
         comm_config_from_env({"QCOMM_ASYNC": "yes"})
     with pytest.raises(TypeError, match="asynchronous must be a bool"):
         CommConfig(asynchronous=0)
+
+
+def test_common_bits_and_config_keys():
+    """QCOMM_BITS sets all three collectives, a specific variable wins; a config written
+    as keys is the environment it names (what the benchmarks' --config takes)."""
+    c = comm_config_from_env({"QCOMM_BITS": "4", "QCOMM_RS_BITS": "8"})
+    assert (c.all_gather.bits, c.reduce_scatter.bits, c.all_reduce.bits) == (4, 8, 4)
+    c = comm_config_from_env({"QCOMM_BITS": "off", "QCOMM_AG_BITS": "2"})
+    assert (c.all_gather.bits, c.reduce_scatter, c.all_reduce) == (2, None, None)
+
+    from qcomm.config import env_from_keys
+
+    env = env_from_keys("bits=4, scheme=nuq,AG_ROUNDING=nearest,async=0")
+    assert env == {"QCOMM_BITS": "4", "QCOMM_SCHEME": "nuq", "QCOMM_AG_ROUNDING": "nearest",
+                   "QCOMM_ASYNC": "0"}
+    c = comm_config_from_env(env)
+    assert c.all_gather == QuantConfig(bits=4, scheme="nuq", rounding="nearest")
+    assert c.asynchronous is False
+    assert comm_config_from_env(env_from_keys("exact")).all_gather is None
+    with pytest.raises(ValueError, match="'colour=red' is not KEY=VALUE"):
+        env_from_keys("bits=4,colour=red")
+    with pytest.raises(ValueError, match="QCOMM_BITS='9'"):
+        env_from_keys("bits=9")
