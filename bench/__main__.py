@@ -10,6 +10,7 @@
     python -m bench launches                    # codec calls and launches per collective
     python -m bench wire                        # FSDP2's bytes as the network interface counts them
     python -m bench breakeven                   # W ranks simulated: the fastest link compression pays on
+    python -m bench report                      # docs/results.md and README's results, from the files
 
 Nodes (qcomm's topology): every self-launched rank is told its node (QCOMM_NODE);
 without --nodes each loopback rank is a node of its own and each --link namespace one.
@@ -28,8 +29,8 @@ import sys
 
 import torch
 
-from . import (breakeven, codec, collectives, common, launches, memory, overlap, rows, train,
-               wire)
+from . import (breakeven, codec, collectives, common, launches, memory, overlap, report, rows,
+               train, wire)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -49,6 +50,11 @@ def parser() -> argparse.ArgumentParser:
                        help="results folder (default bench/results/<machine>/)")
         q.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
         q.set_defaults(main=module.main)
+    q = sub.add_parser("report", help="regenerate docs/results.md and README's results lines",
+                       description=report.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    report.add_arguments(q)
+    q.set_defaults(main=report.main, no_plot=True)
     return p
 
 

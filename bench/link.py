@@ -369,17 +369,6 @@ def run_ranks(argv: list[str], world: int, *, link: ShapedLink | None = None,
             _kill(procs)
 
 
-def run_on(rate: str, argv: list[str], world: int = 2, *, timeout_s: float = 600,
-           env: dict | None = None) -> None:
-    """:func:`run_ranks` on loopback (``rate`` "loopback") or behind a :class:`ShapedLink`
-    of ``rate``, torn down after (the probes in bench/experiments/)."""
-    if rate == "loopback":
-        run_ranks(argv, world, timeout_s=timeout_s, env=env)
-        return
-    with ShapedLink(rate) as link:
-        run_ranks(argv, world, link=link, timeout_s=timeout_s, env=env)
-
-
 def run_spec(module: str, spec: dict, world: int, *, timeout_s: float,
              env: dict | None = None, link: ShapedLink | None = None) -> list:
     """Run ``python -m module --worker SPEC`` as ``world`` ranks on loopback (or behind
