@@ -153,6 +153,23 @@ def human_bytes(n: float) -> str:
     return str(n)
 
 
+def parse_config(text: str) -> tuple[str, dict[str, str]]:
+    """One ``--config SPEC`` in the library's keys (``"bits=4,scheme=nuq"``, ``"exact"``):
+    ``(SPEC, the QCOMM_* variables it sets)``, :func:`qcomm.config.env_from_keys`."""
+    from qcomm.config import env_from_keys
+
+    return text.strip(), env_from_keys(text)
+
+
+def flat_twin(spec: str) -> str | None:
+    """``"bits=8,topology=auto"`` -> ``"bits=8,topology=flat"``, the config an auto run
+    is compared with (``vs_flat``); None without ``topology=auto``."""
+    keys = [k.strip() for k in spec.split(",")]
+    if "topology=auto" not in keys:
+        return None
+    return ",".join("topology=flat" if k == "topology=auto" else k for k in keys)
+
+
 # --------------------------------------------------------------------------- header
 
 
