@@ -34,22 +34,24 @@ Nodes (qcomm's topology): every rank is told its node (``QCOMM_NODE``). Without
 node-major or round-robin); with ``--link RATE`` (N = 2) each node is one network
 namespace: the ranks of a node talk over its own address, unshaped, the nodes over
 the shaped veth. On loopback the nodes are node ids only (bytes, not times, mean
-something). The default variants are then ``exact,qcomm8-flat,qcomm8-auto``::
+something). The default configs are then ``exact``, ``bits=8,topology=flat`` and
+``bits=8,topology=auto``::
 
     python -m bench collectives --nodes 2 --ranks-per-node 2 --link 100mbit --rounds 5
 
 With ``--sizes 2^23`` alone it measures the two-level target's point: 8 MiB per rank (each rank's
 all-gather shard and reduce-scatter output, fp32) at 4 ranks.
 
-Variants: ``exact`` (the inner gloo/NCCL collective), ``bf16`` (a cast around it),
-``qcommB`` (qcomm's direct calls on the plain group, B bits, topology as the
-environment's ``QCOMM_TOPOLOGY``, default auto), ``qcommB-flat`` / ``qcommB-auto`` (a
-:func:`qcomm.wrap` of the group with ``CommConfig(topology="flat"|"auto")``: one-level
-algorithms vs two-level ones, exact inside a node and compressed across). Columns
-added for nodes: ``inter(B)`` / ``intra(B)``, the bytes one rank sends per call to
+Configs (``--config``, one variant each; its text labels the rows): ``exact`` (the inner
+gloo/NCCL collective), ``bf16`` (a cast around it), else qcomm's keys
+(:func:`qcomm.config.env_from_keys`: ``bits=4``, ``bits=8,topology=flat``, ...), a
+:func:`qcomm.wrap` of the group with that config over the ``QCOMM_*`` environment; the
+default ``exact``, ``bits=8``, ``bits=4``, ``bits=2``, ``bf16``. Columns added for
+nodes: ``inter(B)`` / ``intra(B)``, the bytes one rank sends per call to
 peers on other nodes / on its own (qcomm.stats' ``inter_node_bytes`` /
 ``intra_node_bytes``, averaged over the ranks; for exact and bf16 the same
-direct-exchange count from the layout), and ``vs_flat`` (flat time / auto time).
+direct-exchange count from the layout), and ``vs_flat`` (a ``topology=auto`` config's
+time against the same config with ``topology=flat``).
 The two-level targets at 2 x 2 over 100 Mbit/s, 8 bits, 8 MiB per rank: two-level
 reduce-scatter >= 1.6x faster than flat, all-gather >= 1.3x, error no worse than
 flat's (:func:`topology_lines`).
@@ -61,7 +63,6 @@ import argparse
 import datetime
 import json
 import os
-import re
 import socket
 import statistics
 import sys
@@ -91,9 +92,9 @@ from .link import (
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 BUS_FACTOR = {"all_gather": lambda w: (w - 1) / w, "reduce_scatter": lambda w: (w - 1) / w,
               "all_reduce": lambda w: 2 * (w - 1) / w}
-VARIANTS = ("exact", "qcomm8", "qcomm4", "qcomm2", "bf16")
-NODE_VARIANTS = ("exact", "qcomm8-flat", "qcomm8-auto")  # the default with --nodes
-_VARIANT = re.compile(r"exact|bf16|qcomm([1-8])(?:-(flat|auto))?")
+CONFIGS = ("exact", "bits=8", "bits=4", "bits=2", "bf16")  # the default
+NODE_CONFIGS = ("exact", "bits=8,topology=flat", "bits=8,topology=auto")  # with --nodes
+BASELINES = ("exact", "bf16")  # torch's own calls, not qcomm configs
 PHASES = ("quant", "xfer", "dequant")  # qcomm's steps, timed on their own
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # The flat target: at >= 16 MiB over a slow link, speedup >= 0.9 x compression ratio.
@@ -107,26 +108,9 @@ TOPOLOGY_MIN_RANK_BYTES = 8 << 20
 TOPOLOGY_ERR_SLACK = 1.02
 
 
-def parse_variant(name: str) -> tuple[int | None, str | None]:
-    """``"qcomm8-auto"`` -> ``(8, "auto")``; ``"qcomm4"`` -> ``(4, None)``; ``"exact"`` /
-    ``"bf16"`` -> ``(None, None)``; ValueError on anything else."""
-    m = _VARIANT.fullmatch(name)
-    if not m:
-        raise ValueError(f"bad variant {name!r}: use exact, bf16, qcommB, qcommB-flat or "
-                         "qcommB-auto (B = 1..8 bits)")
-    return (int(m[1]) if m[1] else None), m[2]
-
-
-def parse_variants(text: str) -> list[str]:
-    """Comma list of variants (:func:`parse_variant`); ``"all"`` is :data:`VARIANTS`."""
-    if text.strip() == "all":
-        return list(VARIANTS)
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
-        raise ValueError(f"--variants: no variant in {text!r}")
-    for name in items:
-        parse_variant(name)
-    return items
+def parse_config(text: str) -> tuple[str, dict[str, str]]:
+    """``--config``: ``bf16``, or :func:`common.parse_config`'s keys (``exact`` too)."""
+    return (text.strip(), {}) if text.strip() == "bf16" else common.parse_config(text)
 
 
 # --------------------------------------------------------------------------- ranks
@@ -186,26 +170,23 @@ def _bf16(case: Case, group, dist) -> Callable[[], None]:
     return call
 
 
-def _qcomm(case: Case, group, bits: int, topology: str | None = None) -> Callable[[], None]:
-    """qcomm's direct call: on the plain group with a B-bit config, or (``topology``)
-    on that variant's wrapped group with the group's own config."""
+def _qcomm(case: Case, group) -> Callable[[], None]:
+    """qcomm's direct call on a config's qcomm group (:func:`_variant_group`)."""
     import qcomm
 
-    config = None if topology else qcomm.QuantConfig(bits=bits)
     if case.coll == "all_gather":
-        return lambda: qcomm.all_gather_into_tensor(case.out, case.inp, group, config=config)
+        return lambda: qcomm.all_gather_into_tensor(case.out, case.inp, group)
     if case.coll == "reduce_scatter":
-        return lambda: qcomm.reduce_scatter_tensor(case.out, case.inp, group=group,
-                                                   config=config)
-    return lambda: qcomm.all_reduce(case.out, group=group, config=config)
+        return lambda: qcomm.reduce_scatter_tensor(case.out, case.inp, group=group)
+    return lambda: qcomm.all_reduce(case.out, group=group)
 
 
-def _phases(case: Case, group, dist, bits: int) -> dict[str, Callable[[], None]]:
-    """qcomm's steps of one collective (collectives.py's algorithms), one callable per
-    phase: every quantize, every inner transfer of payload bytes, every dequantize."""
+def _phases(case: Case, group, dist, q) -> dict[str, Callable[[], None]]:
+    """qcomm's steps of one collective at QuantConfig ``q`` (collectives.py's algorithms),
+    one callable per phase: every quantize, every inner transfer of payload bytes, every
+    dequantize."""
     import qcomm
 
-    q = qcomm.QuantConfig(bits=bits)
     w, r = case.world, case.rank
     chunk = -(-case.numel // w)
     dev = case.device
@@ -289,25 +270,12 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _variant_group(variant: str, group):
-    """The group a variant calls: a :func:`qcomm.wrap` of ``group`` with the variant's
-    bits and topology (every rank creates them in the same order), else ``group``."""
-    bits, topology = parse_variant(variant)
-    if topology is None:
-        return group
-    import qcomm
-
-    q = qcomm.QuantConfig(bits=bits)
-    return qcomm.wrap(group, qcomm.CommConfig(all_gather=q, reduce_scatter=q, all_reduce=q,
-                                              topology=topology))
-
-
 def _call(case: Case, variant: str, vgroup, dist) -> Callable[[], None]:
     if variant == "exact":
         return _exact(case, vgroup, dist)
     if variant == "bf16":
         return _bf16(case, vgroup, dist)
-    return _qcomm(case, vgroup, *parse_variant(variant))
+    return _qcomm(case, vgroup)
 
 
 def _split_bytes(row: dict, stat, case: Case, nodes: list[int], group, dist) -> None:
@@ -328,12 +296,12 @@ def _split_bytes(row: dict, stat, case: Case, nodes: list[int], group, dist) -> 
 
 
 def _measure(case: Case, variant: str, rounds: list[list[float]], ref: torch.Tensor, group,
-             vgroup, dist, timer: Timer, spec: dict) -> dict:
-    """One row from ``variant``'s timed rounds on ``case``: its time, then (one call
-    more) its error, wire bytes, their split by node, and phases."""
+             vgroup, cfg, dist, timer: Timer, spec: dict) -> dict:
+    """One row from ``variant``'s timed rounds on ``case`` (``cfg``: its CommConfig,
+    None for a baseline): its time, then (one call more) its error, wire bytes, their
+    split by node, and phases."""
     import qcomm
 
-    bits, topology = parse_variant(variant)
     fn = _call(case, variant, vgroup, dist)
     t = statistics.median(x for r in rounds for x in r)
     medians = [statistics.median(r) for r in rounds]
@@ -344,24 +312,28 @@ def _measure(case: Case, variant: str, rounds: list[list[float]], ref: torch.Ten
     size = case.numel * itemsize
     factor = BUS_FACTOR[case.coll](case.world)
     exact_wire = int(size * factor)
+    q = getattr(cfg, case.coll, None)
+    # auto, and some node holds several ranks: the call may run two-level
+    two_level = (cfg is not None and cfg.topology == "auto"
+                 and max(spec["nodes"].count(n) for n in spec["nodes"]) > 1)
     row = {"collective": case.coll, "variant": variant, "size": size, "count": case.count,
            "type": spec["dtype"], "time_us": t * 1e6, "algbw": size / t / 1e9,
            "busbw": size / t / 1e9 * factor, "rel_err": _rel_err(case.out, ref),
-           "world": case.world, "link": spec["link"], "bits": bits, "topology": topology,
-           "layout": spec["layout"], "rank_bytes": case.count * itemsize,
+           "world": case.world, "link": spec["link"], "bits": q and q.bits,
+           "two_level": two_level, "layout": spec["layout"], "rank_bytes": case.count * itemsize,
            "rounds": len(rounds), "round_us": [m * 1e6 for m in medians],
            "best_us": min(x for r in rounds for x in r) * 1e6,  # the fastest timed call
            "spread": (max(medians) - min(medians)) / statistics.median(medians)}
     stat = None
-    if bits is None:
+    if cfg is None:
         row["wire"] = exact_wire * 2 // itemsize if variant == "bf16" else exact_wire
     else:
         stat = qcomm.stats(vgroup, reset=True)[case.coll]
         row["wire"] = stat.wire_bytes
         row["compressed"] = stat.calls_compressed > 0
         # the phases are the one-level algorithms': not what a two-level call runs
-        if spec["phases"] and row["compressed"] and not _two_level(topology, spec["nodes"]):
-            for name, phase in _phases(case, group, dist, bits).items():
+        if spec["phases"] and row["compressed"] and not two_level:
+            for name, phase in _phases(case, group, dist, q).items():
                 row[f"{name}_us"] = timer(phase) * 1e6
             # what the phases timed on their own do not explain (headers, copies, the
             # link's state between phases, noise)
@@ -371,22 +343,14 @@ def _measure(case: Case, variant: str, rounds: list[list[float]], ref: torch.Ten
     return row
 
 
-def _two_level(topology: str | None, nodes: list[int]) -> bool:
-    """Whether a qcomm call of ``topology`` (None: the environment's) may run two-level
-    on ``nodes``: auto, and some node holds several ranks."""
-    if topology is None:
-        topology = os.environ.get("QCOMM_TOPOLOGY", "").strip().lower() or "auto"
-    return topology == "auto" and max(nodes.count(n) for n in nodes) > 1
-
-
 def _compare(point: list[dict]) -> None:
     """Within one point: ``speedup`` over exact, and each auto row's ``vs_flat``."""
     by = {r["variant"]: r for r in point}
     for row in point:
         if "exact" in by:
             row["speedup"] = by["exact"]["time_us"] / row["time_us"]
-        flat = by.get(f"qcomm{row['bits']}-flat")
-        if row["topology"] == "auto" and flat:
+        flat = by.get(common.flat_twin(row["variant"]))
+        if flat:
             row["vs_flat"] = flat["time_us"] / row["time_us"]
 
 
@@ -394,6 +358,9 @@ def _compare(point: list[dict]) -> None:
 def worker(spec: dict) -> None:
     """One rank: run the sweep; rank 0 writes the rows to ``spec["result"]``."""
     import torch.distributed as dist
+
+    import qcomm
+    from qcomm.config import comm_config_from_env
 
     start = time.monotonic()
     pin_this_rank()
@@ -407,8 +374,12 @@ def worker(spec: dict) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = DTYPES[spec["dtype"]]
     timer = Timer(group, dist, device, spec["iters"], spec["warmup"], spec["budget"])
-    variants = spec["variants"]
-    vgroups = {v: _variant_group(v, group) for v in variants}
+    variants = [label for label, _ in spec["configs"]]
+    # each config's CommConfig, its variables over the environment's (None: a baseline),
+    # and the group it calls: a qcomm.wrap of the plain one, made in one order everywhere
+    cfgs = {label: None if label in BASELINES else comm_config_from_env({**os.environ, **env})
+            for label, env in spec["configs"]}
+    vgroups = {v: group if c is None else qcomm.wrap(group, c) for v, c in cfgs.items()}
     rows = []
     where = spec["link"] + (f" {spec['layout']}" if spec["layout"] else "")
     if rank == 0:
@@ -425,8 +396,8 @@ def worker(spec: dict) -> None:
                 for v in variants[k % len(variants):] + variants[:k % len(variants)]:
                     times[v].append(timer.times(_call(case, v, vgroups[v], dist),
                                                 before=case.reset))
-            point = [_measure(case, v, times[v], ref, group, vgroups[v], dist, timer, spec)
-                     for v in variants]
+            point = [_measure(case, v, times[v], ref, group, vgroups[v], cfgs[v], dist, timer,
+                              spec) for v in variants]
             _compare(point)
             rows += point
             if rank == 0:
@@ -470,13 +441,12 @@ def columns(phases: bool, *, topology: bool = False, rounds: int = 1) -> list[Co
 
 
 def target_lines(rows: list[dict]) -> list[str]:
-    """The flat target per qcomm variant on a shaped link: speedup >= 0.9 x ratio at
-    >= 16 MiB (on loopback the same lines, not judged), with where the time went."""
+    """The flat target per compressed qcomm row on a shaped link: speedup >= 0.9 x ratio
+    at >= 16 MiB (on loopback the same lines, not judged), with where the time went."""
     lines = []
     for row in rows:
-        if (row["variant"].startswith("qcomm") and row["size"] >= TARGET_MIN_BYTES
-                and row.get("speedup") and row.get("compressed")
-                and row.get("topology") != "auto"):  # two-level: topology_lines
+        if (row["size"] >= TARGET_MIN_BYTES and row.get("speedup") and row.get("compressed")
+                and not row.get("two_level")):  # two-level: topology_lines
             frac = row["speedup"] / row["ratio"]
             where = ""
             if "quant_us" in row:
@@ -529,16 +499,16 @@ def _unjudged(row: dict) -> str | None:
 
 
 def topology_lines(rows: list[dict]) -> list[str]:
-    """The two-level targets, per point that has both ``qcommB-auto`` and ``qcommB-flat``:
-    auto's time over flat's (reduce-scatter >= 1.6x, all-gather >= 1.3x), its error no
-    worse than flat's (within 2%), and the inter-node bytes of both, judged at 2 x 2
-    on a shaped link, 8 bits, >= 8 MiB per rank (else the same lines, not judged)."""
-    flats = {(r["collective"], r["size"], r["bits"]): r for r in rows
-             if r.get("topology") == "flat"}
+    """The two-level targets, per point that has a ``topology=auto`` config and its
+    ``topology=flat`` twin: auto's time over flat's (reduce-scatter >= 1.6x, all-gather
+    >= 1.3x), its error no worse than flat's (within 2%), and the inter-node bytes of
+    both, judged at 2 x 2 on a shaped link, 8 bits, >= 8 MiB per rank (else the same
+    lines, not judged)."""
+    by = {(r["collective"], r["size"], r["variant"]): r for r in rows}
     lines = []
     for auto in rows:
-        flat = flats.get((auto["collective"], auto["size"], auto["bits"]))
-        if auto.get("topology") != "auto" or flat is None:
+        flat = by.get((auto["collective"], auto["size"], common.flat_twin(auto["variant"])))
+        if flat is None:
             continue
         why = _unjudged(auto)
         target = TOPOLOGY_TARGETS.get(auto["collective"])
@@ -629,14 +599,15 @@ def run_one(args, rate: str | None) -> Path:
     header["node_of_rank"] = nodes
     if rate is not None:
         header["link_shaping"] = link_shaping(rate, nodes)
+    labels = [label for label, _ in args.config]
     header["sweep"] = {"sizes": args.sizes, "collectives": args.collectives,
-                       "variants": args.variants, "iters": args.iters, "warmup": args.warmup,
+                       "configs": labels, "iters": args.iters, "warmup": args.warmup,
                        "budget_s": args.budget, "world": args.world, "dtype": args.dtype,
                        "rounds": args.rounds}
     print(common.format_header(header), flush=True)
     with tempfile.TemporaryDirectory(prefix="qcomm-bench-") as tmp:
         spec = {"sizes": args.sizes, "collectives": args.collectives,
-                "variants": args.variants, "iters": args.iters, "warmup": args.warmup,
+                "configs": args.config, "iters": args.iters, "warmup": args.warmup,
                 "budget": args.budget, "dtype": args.dtype, "phases": not args.no_phases,
                 "backend": args.backend, "rounds": args.rounds, "nodes": nodes,
                 "layout": layout, "link": tag, "op_timeout": args.op_timeout,
@@ -657,7 +628,7 @@ def run_one(args, rate: str | None) -> Path:
     print("# ranks (node@hostname): " + ", ".join(
         f"{r} {h['node']}@{h['hostname']}" for r, h in enumerate(header["ranks"])))
     cols = columns(not args.no_phases, rounds=args.rounds,
-                   topology=any(parse_variant(v)[1] for v in args.variants))
+                   topology=any(common.flat_twin(v) for v in labels))
     folder = common.results_dir(args.out, header)
     stem = f"collectives-{tag}" + (f"-{layout}" if layout else "")
     where = f"{args.world} ranks" + (f" ({layout} nodes x ranks)" if layout else "")
@@ -691,11 +662,9 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
                         "(default 10..26:2)")
     p.add_argument("--collectives", type=common.arg(
         lambda s: common.parse_list(s, COLLECTIVES, "--collectives")), default=list(COLLECTIVES))
-    p.add_argument("--variants", type=common.arg(parse_variants), default=None,
-                   help="exact, bf16, qcommB (B bits, direct calls on the plain group), "
-                        "qcommB-flat / qcommB-auto (a qcomm group with that topology); "
-                        "speedup is over exact, vs_flat over qcommB-flat (default "
-                        f"{','.join(VARIANTS)}; with --nodes {','.join(NODE_VARIANTS)})")
+    p.add_argument("--config", action="append", type=common.arg(parse_config),
+                   metavar="SPEC", help="one variant, repeatable: exact, bf16 or qcomm's "
+                   "keys, e.g. bits=4,scheme=nuq (default: " + " ".join(CONFIGS) + ")")
     p.add_argument("--rounds", type=int, default=1,
                    help="time every variant of a point this many times, interleaved (the "
                         "median over all rounds' calls)")
@@ -725,7 +694,7 @@ def parse_world(text: str) -> int:
 
 
 def resolve(args) -> str | None:
-    """Fill in the layout (``args.node_of_rank``), world and variants; the error text
+    """Fill in the layout (``args.node_of_rank``), world and configs; the error text
     of a bad combination, else None."""
     try:
         args.node_of_rank = node_layout(args.nodes, args.ranks_per_node, args.world,
@@ -738,8 +707,9 @@ def resolve(args) -> str | None:
         args.world = len(args.node_of_rank)
     elif args.world is None:
         args.world = max(2, torch.cuda.device_count())
-    if args.variants is None:
-        args.variants = list(NODE_VARIANTS if args.node_of_rank else VARIANTS)
+    if args.config is None:
+        args.config = [parse_config(c) for c in (NODE_CONFIGS if args.node_of_rank
+                                                 else CONFIGS)]
     return None
 
 

@@ -5,17 +5,19 @@ Each variant trains the same model for ``--steps`` AdamW steps on ``--world`` ra
 variant in fresh processes (a peak is a per-process high-water mark): ``--layers``
 blocks of two ``--width`` x ``--width`` linear layers, ``fully_shard`` per block and at
 the root, built on the meta device and materialized sharded, so no rank ever holds the
-whole model (a full CPU init would set the peak before training starts). Variants
-(names as in ``python -m bench train``):
+whole model (a full CPU init would set the peak before training starts). Configs
+(``--config``, as ``python -m bench train`` takes them; the default five):
 
-- ``fsdp2``: plain FSDP2 on the gloo group, exact (the reference);
-- ``w4g4-wn-wb128``: qcomm's 4-bit all-gather and reduce-scatter, no state;
-- ``...-wd-ws32``: with weight differences kept in fp32 (what qcomm.fsdp did before:
-  4 bytes per unsharded parameter on every rank), ``-wd`` the default 8-bit state,
-  ``-wsd`` the parameters' dtype; ``-ge`` adds error feedback's residuals.
+- ``exact``: plain FSDP2 on the gloo group (the reference);
+- ``bits=4,ag_rounding=nearest,ag_bucket=128``: qcomm's 4-bit all-gather and
+  reduce-scatter, no state;
+- ``...,deltas=1,state=32``: with weight differences kept in fp32 (what qcomm.fsdp did
+  before: 4 bytes per unsharded parameter on every rank), ``deltas=1`` the default
+  8-bit state, ``state=dtype`` the parameters' dtype; ``feedback=1`` adds error
+  feedback's residuals.
 
 ``--param-dtype bfloat16`` gathers bf16 parameters (FSDP2's MixedPrecisionPolicy, fp32
-gradient reduction), so ``-wsd`` keeps 2 bytes a parameter.
+gradient reduction), so ``state=dtype`` keeps 2 bytes a parameter.
 
 The ranks run with ``MALLOC_MMAP_THRESHOLD_=131072``: every block over 128 KiB is its
 own mapping, returned when freed, so RSS follows the live tensors (glibc's default
@@ -24,7 +26,7 @@ of one state measured 88 MiB apart that way).
 
 Per rank: ``peak`` (the process's peak RSS, ``ru_maxrss``), ``state``
 (``state_nbytes()`` of qcomm.fsdp's collectives) and the steady RSS after the steps.
-Reported per variant: the largest rank's, and its excess over ``fsdp2``'s.
+Reported per config: the largest rank's, and its excess over ``exact``'s.
 
 ``--device cuda`` (``bench/device_check.sh``): rank r trains on ``cuda:r % count`` and
 ``peak`` is ``torch.cuda.max_memory_allocated`` over the whole run (``steady``: allocated
@@ -47,17 +49,19 @@ import torch
 from . import common
 from .common import Column
 from .link import pin_this_rank, run_spec, worker_done
+from .train import install_stateful, parse_config
 
 MMAP_THRESHOLD = 128 * 1024  # bytes: larger blocks are mapped, and unmapped when freed
-VARIANTS = ("fsdp2", "w4g4-wn-wb128", "w4g4-wd-wn-wb128-ws32", "w4g4-wd-wn-wb128-wsd",
-            "w4g4-wd-wn-wb128")
+Q4 = "bits=4,ag_rounding=nearest,ag_bucket=128"
+CONFIGS = ("exact", Q4, Q4 + ",deltas=1,state=32", Q4 + ",deltas=1,state=dtype",
+           Q4 + ",deltas=1")
 
 
 def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
-    p.add_argument("--variants", type=common.arg(lambda s: [v for v in s.split(",") if v]),
-                   default=list(VARIANTS),
-                   help="fsdp2 (plain FSDP2, the reference) and bench train's wAgB[-...] "
-                        "names (default " + ",".join(VARIANTS) + ")")
+    p.add_argument("--config", action="append", type=common.arg(parse_config),
+                   metavar="SPEC", help="one variant, repeatable: exact (plain FSDP2) or "
+                   "bench train's keys, e.g. bits=4,deltas=1,state=32 (default: the five "
+                   "above)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--width", type=int, default=2048,
                    help="blocks of two width x width linear layers (default 2048: 8 blocks "
@@ -93,8 +97,6 @@ def worker(spec: dict) -> None:
 
     import qcomm  # noqa: F401 (registers the backend)
 
-    from .train import install_stateful
-
     pin_this_rank()
     name = spec["name"]
     on_cuda = spec["device"] == "cuda"
@@ -104,7 +106,7 @@ def worker(spec: dict) -> None:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(exact if name == "fsdp2" else "qcomm")
+    dist.init_process_group(exact if name == "exact" else "qcomm")
     rank = dist.get_rank()
     width = spec["width"]
     with torch.device("meta"):
@@ -153,16 +155,13 @@ def worker(spec: dict) -> None:
 # ----------------------------------------------------------------------------- driver
 
 
-def run_variant(args, name: str) -> dict:
-    from .train import parse_variant
-
-    env = {} if name == "fsdp2" else parse_variant(name)
-    if args.device == "cuda" and name != "fsdp2" and cuda_backend(args.world) == "gloo":
+def run_variant(args, name: str, env: dict) -> dict:
+    env = dict(env, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
+    if args.device == "cuda" and name != "exact" and cuda_backend(args.world) == "gloo":
         env["QCOMM_INNER"] = "gloo"
     spec = {"name": name, "device": args.device, "layers": args.layers,
             "width": args.width, "batch": args.batch, "steps": args.steps,
             "param_dtype": args.param_dtype}
-    env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
     ranks = run_spec("bench.memory", spec, args.world, timeout_s=args.timeout, env=env)
     top = max(ranks, key=lambda r: r["peak_rss"])
     return {"variant": name, "params": top["params"], "peak": top["peak_rss"],
@@ -175,7 +174,7 @@ def run_variant(args, name: str) -> dict:
 def columns() -> list[Column]:
     mib = "{:.1f}"
     return [Column("variant", "variant"), Column("params", "params"),
-            Column("peak_mib", "peak MiB", mib), Column("over_mib", "over fsdp2 MiB", mib),
+            Column("peak_mib", "peak MiB", mib), Column("over_mib", "over exact MiB", mib),
             Column("state_mib", "state MiB", mib),
             Column("state_per_param", "state B/param", "{:.2f}"),
             Column("rss_after_mib", "RSS after MiB", mib)]  # on CUDA: allocated after
@@ -185,9 +184,10 @@ def main(args) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench memory --device cuda: torch sees no CUDA device here")
     header = common.run_header("memory", device=args.device, command=args.command)
-    header["sweep"] = {"variants": args.variants, "layers": args.layers, "width": args.width,
-                       "batch": args.batch, "steps": args.steps, "world": args.world,
-                       "param_dtype": args.param_dtype,
+    configs = args.config or [parse_config(c) for c in CONFIGS]
+    header["sweep"] = {"configs": [name for name, _ in configs], "layers": args.layers,
+                       "width": args.width, "batch": args.batch, "steps": args.steps,
+                       "world": args.world, "param_dtype": args.param_dtype,
                        "malloc_mmap_threshold": MMAP_THRESHOLD,
                        "peak": "ru_maxrss" if args.device == "cpu"
                        else "torch.cuda.max_memory_allocated"}
@@ -195,12 +195,12 @@ def main(args) -> int:
         header["sweep"]["backend"] = cuda_backend(args.world)
     print(common.format_header(header), flush=True)
     rows = []
-    for name in args.variants:
-        row = run_variant(args, name)
+    for name, env in configs:
+        row = run_variant(args, name, env)
         rows.append(row)
         print(f"# {name}: peak {row['peak'] / 2**20:.1f} MiB, state "
               f"{row['state'] / 2**20:.1f} MiB", file=sys.stderr, flush=True)
-    base = next((r["peak"] for r in rows if r["variant"] == "fsdp2"), None)
+    base = next((r["peak"] for r in rows if r["variant"] == "exact"), None)
     for r in rows:
         r["peak_mib"], r["state_mib"] = r["peak"] / 2**20, r["state"] / 2**20
         r["rss_after_mib"] = r["rss_after"] / 2**20

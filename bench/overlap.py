@@ -11,9 +11,10 @@ in one run, each timed after a barrier as the slowest rank's time:
 - ``ratio = overlap / (comm + compute)``: 1.0 is no overlap at all, 0.5 a perfect
   one at equal compute. The target for qcomm: at most 0.75.
 
-Variants: ``exact`` (gloo, whose own threads run the transfer), ``qcomm8`` (8 bits, the
-group's worker thread runs codec and transfer: qcomm.engine), ``qcomm8-sync``
-(``QCOMM_ASYNC=0``: the call completes before it returns, as before the engine).
+Configs (``--config``): ``exact`` (gloo, whose own threads run the transfer), else
+qcomm's keys (a :func:`qcomm.wrap` of the group): the default ``bits=8`` (the group's
+worker thread runs codec and transfer: qcomm.engine) and ``bits=8,async=0`` (the call
+completes before it returns, as before the engine).
 
     python -m bench overlap --link 100mbit        # 16 MiB per rank
 """
@@ -35,7 +36,7 @@ import torch
 from . import common
 from .link import LinkError, ShapedLink, parse_rate, pin_this_rank, run_ranks
 
-VARIANTS = ("exact", "qcomm8", "qcomm8-sync")
+CONFIGS = ("exact", "bits=8", "bits=8,async=0")
 COLLECTIVES = ("all_gather", "reduce_scatter")
 MATMUL = 256  # compute unit: one 256 x 256 fp32 matmul (~0.5-2 ms on one core)
 COLUMNS = [
@@ -76,19 +77,19 @@ def _compute(units: int, ab: tuple) -> None:
 def worker(spec: dict) -> None:
     import torch.distributed as dist
 
+    import qcomm
+    from qcomm.config import comm_config_from_env
+
     pin_this_rank()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec["op_timeout"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = dist.group.WORLD
-    os.environ.update(QCOMM_AG_BITS="8", QCOMM_RS_BITS="8")
-    import qcomm  # noqa: F401 (registers the backend)
-
-    # one qcomm group per variant: QCOMM_ASYNC is read when a group is made
-    qgroups = {}
-    for flag, variant in (("1", "qcomm8"), ("0", "qcomm8-sync")):
-        os.environ["QCOMM_ASYNC"] = flag
-        qgroups[variant] = dist.new_group(backend="qcomm")
-    os.environ.pop("QCOMM_ASYNC")
+    # each config's group: gloo's for exact, else a qcomm group of its variables over the
+    # environment's (made in one order on every rank)
+    groups = {label: ref if label == "exact" else
+              qcomm.wrap(ref, comm_config_from_env({**os.environ, **env}))
+              for label, env in spec["configs"]}
+    variants = list(groups)
     clock = _Clock(dist, ref)
     n = spec["numel"]
     a = (torch.randn(MATMUL, MATMUL), torch.randn(MATMUL, MATMUL), torch.empty(MATMUL, MATMUL))
@@ -105,14 +106,12 @@ def worker(spec: dict) -> None:
             return dist.reduce_scatter_tensor(out, x, group=group, async_op=async_op)
 
         samples = {v: {"comm": [], "compute": [], "serial": [], "overlap": []}
-                   for v in spec["variants"]}
-        for v in spec["variants"]:  # warm-up (compile, buffers) and calibration
-            group = ref if v == "exact" else qgroups[v]
+                   for v in variants}
+        for group in groups.values():  # warm-up (compile, buffers) and calibration
             call(group, False)
         for k in range(spec["rounds"]):
-            for v in spec["variants"][k % len(spec["variants"]):] + \
-                    spec["variants"][:k % len(spec["variants"])]:
-                group = ref if v == "exact" else qgroups[v]
+            for v in variants[k % len(variants):] + variants[:k % len(variants)]:
+                group = groups[v]
                 comm = clock(lambda group=group: call(group, False))
                 units = max(1, round(comm / unit))
                 s = samples[v]
@@ -155,8 +154,9 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
                    help="elements per rank (default 2^22: 16 MiB fp32)")
     p.add_argument("--collectives", type=common.arg(
         lambda t: common.parse_list(t, COLLECTIVES, "collective")), default=list(COLLECTIVES))
-    p.add_argument("--variants", type=common.arg(
-        lambda t: common.parse_list(t, VARIANTS, "variant")), default=list(VARIANTS))
+    p.add_argument("--config", action="append", type=common.arg(common.parse_config),
+                   metavar="SPEC", help="one variant, repeatable: exact or qcomm's keys, "
+                   "e.g. bits=4,async=0 (default: " + " ".join(CONFIGS) + ")")
     p.add_argument("--rounds", type=int, default=7, help="rounds, variants interleaved")
     p.add_argument("--timeout", type=float, default=1800, help="whole run, seconds")
     p.add_argument("--op-timeout", type=float, default=300, help="process groups' timeout")
@@ -168,9 +168,11 @@ def main(args) -> int:
         print(f"python -m bench overlap: bad --link {args.link!r}", file=sys.stderr)
         return 2
     tag = rate or "loopback"
+    configs = args.config or [common.parse_config(c) for c in CONFIGS]
     header = common.run_header("overlap", device="cpu (gloo)", link=tag, command=args.command)
     header["sweep"] = {"sizes": args.sizes, "collectives": args.collectives,
-                       "variants": args.variants, "rounds": args.rounds, "world": 2}
+                       "configs": [label for label, _ in configs], "rounds": args.rounds,
+                       "world": 2}
     print(common.format_header(header), flush=True)
     rows = []
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(common.ROOT),
@@ -178,7 +180,7 @@ def main(args) -> int:
     for numel in args.sizes:
         with tempfile.TemporaryDirectory(prefix="qcomm-bench-") as tmp:
             spec = {"numel": numel, "collectives": args.collectives,
-                    "variants": args.variants, "rounds": args.rounds,
+                    "configs": configs, "rounds": args.rounds,
                     "op_timeout": args.op_timeout, "result": str(Path(tmp) / "rows.json")}
             spec_path = Path(tmp) / "spec.json"
             spec_path.write_text(json.dumps(spec))
@@ -194,11 +196,15 @@ def main(args) -> int:
                 return 2
             rows += json.loads(Path(spec["result"]).read_text())
     common.report("overlap", header, COLUMNS, rows, args.out, f"overlap-{tag}")
+    from qcomm.config import comm_config_from_env  # the target: asynchronous qcomm calls'
+
+    judged = {label for label, env in configs if label != "exact"
+              and comm_config_from_env({**os.environ, **env}).asynchronous}
     for r in rows:
-        if r["variant"] == "qcomm8":
+        if r["variant"] in judged:
             verdict = "met" if r["ratio"] <= 0.75 else "short"
-            print(f"#  {tag} {r['collective']} {r['numel'] * 4 / 2**20:.0f} MiB/rank qcomm8: "
-                  f"overlapped with equal compute {r['ratio']:.2f}x the serial sum "
+            print(f"#  {tag} {r['collective']} {r['numel'] * 4 / 2**20:.0f} MiB/rank "
+                  f"{r['variant']}: overlapped with equal compute {r['ratio']:.2f}x the serial sum "
                   f"(target <= 0.75: {verdict}; ideal 0.50)")
     return 0
 

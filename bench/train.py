@@ -10,11 +10,15 @@ embedding), ``fully_shard`` per block and at the root, AdamW with warm-up and co
 decay. Every variant starts from the same initial weights; a data seed fixes the order of
 the training windows, the same for every variant (paired runs).
 
-Variants (``--variants``): ``fp32`` (all collectives exact through the inner gloo: the
-baseline) and ``wAgB[-nuq|-maxnorm]``: A-bit weights (all-gather) and B-bit gradients
-(reduce-scatter), e.g. ``w8g8``, ``w4g8``, ``w4g4-nuq``; ``-flat`` / ``-auto`` set
-``QCOMM_TOPOLOGY`` (one-level collectives, or two-level ones: exact inside a node,
-compressed across; without either, qcomm's default, auto).
+Configs (``--config``, one variant each; its text labels the runs): ``exact`` (every
+collective exact through the inner gloo: the baseline), else qcomm's keys
+(:func:`qcomm.config.env_from_keys`, the run's ``QCOMM_*`` environment: ``bits=8``,
+``ag_bits=4,rs_bits=8``, ``bits=4,scheme=nuq``, ``topology=flat``, ...) and the bench's
+own keys for :mod:`qcomm.fsdp`'s stateful collectives, installed after ``fully_shard``
+(:func:`split_config`): ``deltas=1`` (weights sent as differences), ``feedback=1``
+(gradients with error feedback), ``state=8|N|32|dtype`` (their state). The default:
+``exact``, ``bits=8``, ``ag_bits=4,rs_bits=8``, ``bits=4``, ``bits=4,scheme=nuq``,
+``bits=4,ag_rounding=nearest,ag_bucket=128``.
 
 Modes (``--mode``, comma list, each mode runs every variant): ``fsdp2`` (full shard over
 all ranks: ``fully_shard`` per block and at the root) and ``hsdp`` (a 2-D mesh
@@ -26,17 +30,17 @@ the group of equal local ranks).
 Nodes (qcomm's topology): every rank is told its node (``QCOMM_NODE``); without ``--nodes``
 each loopback rank is a node and each ``--link`` host one. ``--nodes 2
 --ranks-per-node P --link RATE`` runs two nodes of P ranks, each a network namespace
-(ranks of a node unshaped, the nodes over the shaped veth); the default variants are
-then ``fp32,w8g8-flat,w8g8-auto``::
+(ranks of a node unshaped, the nodes over the shaped veth); the default configs are
+then ``exact``, ``bits=8,topology=flat`` and ``bits=8,topology=auto``::
 
     python -m bench train --nodes 2 --ranks-per-node 2 --link 100mbit --mode fsdp2,hsdp
 
 Per run, besides the below: bytes per step that crossed to other nodes and stayed
 inside the node (qcomm.stats' ``inter_node_bytes`` / ``intra_node_bytes`` over every
-group the run used, averaged over the ranks); the summary's ``vs_flat`` is an auto
-variant's step time against its flat twin's, and the two-level FSDP2 target (auto faster
-than flat, both faster than fp32, held-out loss within the noise of fp32) is printed
-per mode (:func:`topology_lines`).
+group the run used, averaged over the ranks); the summary's ``vs_flat`` is a
+``topology=auto`` config's step time against the same config's with ``topology=flat``,
+and the two-level FSDP2 target (auto faster than flat, both faster than exact, held-out
+loss within the noise of exact) is printed per mode (:func:`topology_lines`).
 
 Ranks: started here (``--world``, loopback or ``--link``), or torchrun's (``torchrun
 --nproc-per-node 2 -m bench train``: every run in those processes, one process group
@@ -50,7 +54,7 @@ overlap communication with compute, so the best a variant can do is Amdahl's bou
 ``T_base / (T_compute + T_comm_base / ratio)`` (``ratio``: of the bytes sent to other
 nodes where the runs count them, else of the wire bytes); the summary prints each
 variant's speedup against it. The bytes FSDP2's own bf16 mixed precision would send are
-reported too: half the fp32 bytes (both are exact casts, so that is arithmetic, not a
+reported too: half the exact fp32 bytes (both are exact casts, so that is arithmetic, not a
 measurement).
 """
 
@@ -88,10 +92,11 @@ from .link import (
     run_ranks,
 )
 
-VARIANTS = ["fp32", "w8g8", "w4g8", "w4g4", "w4g4-nuq", "w4g4-wn-wb128"]  # the default
+CONFIGS = ("exact", "bits=8", "ag_bits=4,rs_bits=8", "bits=4", "bits=4,scheme=nuq",
+           "bits=4,ag_rounding=nearest,ag_bucket=128")  # the default
 HELD_OUT = 0.05  # the last 5% of files (sorted order) are the evaluation split
 MODES = ("fsdp2", "hsdp")
-NODE_VARIANTS = ["fp32", "w8g8-flat", "w8g8-auto"]  # the default with --nodes
+NODE_CONFIGS = ("exact", "bits=8,topology=flat", "bits=8,topology=auto")  # with --nodes
 INIT_SEED = 1234  # every variant and data seed starts from the same weights
 
 
@@ -190,81 +195,66 @@ def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
 
 
-# ------------------------------------------------------------------------- variants
+# -------------------------------------------------------------------------- configs
 
 
-# Variant options that install qcomm.fsdp's per-module collectives after fully_shard.
-STATEFUL = {"wd": "quantize_weight_deltas", "ge": "feed_back_gradient_errors"}
+# The bench's own keys: qcomm.fsdp's stateful collectives (options of its API, not
+# CommConfig fields), installed after fully_shard; "state" is theirs.
+FSDP_KEYS = {"deltas": "quantize_weight_deltas", "feedback": "feed_back_gradient_errors"}
 
 
-def parse_variant(name: str) -> dict:
-    """``fp32`` or ``wAgB[-option...]`` -> the QCOMM_* environment of that run.
-
-    Options: a scheme (``nuq``, ``maxnorm``, ``minmax``) for both collectives;
-    ``wn`` / ``gn`` weights (all-gather) / gradients (reduce-scatter) rounded to
-    nearest; ``wbN`` / ``gbN`` their bucket size N; ``wd`` weights sent as differences
-    (:func:`qcomm.fsdp.quantize_weight_deltas`) and ``ge`` gradients with error feedback
-    (:func:`qcomm.fsdp.feed_back_gradient_errors`): these two the worker reads from the
-    name (:data:`STATEFUL`), not from the environment, and so ``wsN`` / ``wsd`` /
-    ``ws32`` their state (:func:`fsdp_state`; default 8-bit codes); ``flat`` / ``auto`` the
-    topology (``QCOMM_TOPOLOGY``).
-    """
-    if name == "fp32":
-        return {"QCOMM_AG_BITS": "off", "QCOMM_RS_BITS": "off", "QCOMM_AR_BITS": "off"}
-    head, *options = name.split("-")
-    if not (head.startswith("w") and head.count("g") == 1):
-        raise ValueError(f"bad variant {name!r}: use fp32 or wAgB[-option...]")
-    wbits, gbits = head[1:].split("g")
-    env = {"QCOMM_AG_BITS": wbits, "QCOMM_RS_BITS": gbits, "QCOMM_AR_BITS": gbits}
-    for var, value in (("QCOMM_AG_BITS", wbits), ("QCOMM_RS_BITS", gbits)):
-        if not value.isdigit() or not 1 <= int(value) <= 8:
-            raise ValueError(f"bad variant {name!r}: {var} would be {value!r} (1-8)")
-    for opt in options:
-        if opt in ("nuq", "maxnorm", "minmax"):
-            env["QCOMM_SCHEME"] = opt
-        elif opt in ("wn", "gn"):
-            env[{"wn": "QCOMM_AG_ROUNDING", "gn": "QCOMM_RS_ROUNDING"}[opt]] = "nearest"
-        elif opt.startswith("wb") and opt[2:].isdigit():
-            env["QCOMM_AG_BUCKET"] = opt[2:]
-        elif opt.startswith("gb") and opt[2:].isdigit():
-            env["QCOMM_RS_BUCKET"] = opt[2:]
-        elif opt in ("flat", "auto"):
-            env["QCOMM_TOPOLOGY"] = opt
-        elif opt.startswith("ws"):
-            fsdp_state(opt)  # checked here; the worker reads it from the name
-        elif opt not in STATEFUL:
-            raise ValueError(f"bad variant {name!r}: option {opt!r} "
-                             "(nuq, maxnorm, wn, gn, wbN, gbN, wd, ge, wsN, wsd, ws32, flat, "
-                             "auto)")
-    return env
+def split_config(text: str) -> tuple[dict[str, str], str]:
+    """``"bits=4,deltas=1,state=32"`` -> ``({"deltas": "1", "state": "32"}, "bits=4")``:
+    qcomm.fsdp's keys (:data:`FSDP_KEYS`, ``state``), checked, and the rest of the
+    config. ValueError naming a bad one."""
+    own, rest = {}, []
+    for item in text.split(","):
+        key, _, value = (t.strip() for t in item.partition("="))
+        if key in (*FSDP_KEYS, "state"):
+            own[key] = value
+        else:
+            rest.append(item)
+    for key in FSDP_KEYS:
+        if own.get(key, "0") not in ("0", "1"):
+            raise ValueError(f"bad config {text!r}: {key}={own[key]!r}, expected 0 or 1")
+    if "state" in own:
+        if "1" not in (own.get(k) for k in FSDP_KEYS):
+            raise ValueError(f"bad config {text!r}: state= needs deltas=1 or feedback=1")
+        fsdp_state(own["state"])
+    return own, ",".join(rest)
 
 
-def install_stateful(model, name: str) -> list:
-    """Install the qcomm.fsdp collectives variant ``name`` asks for (``wd``, ``ge``, with
-    its ``ws...`` state) on ``model``'s FSDP2 modules; returns them."""
+def parse_config(text: str) -> tuple[str, dict[str, str]]:
+    """``--config``: :func:`common.parse_config` with qcomm.fsdp's keys set aside
+    (a config of those alone: the environment's CommConfig)."""
+    own, rest = split_config(text)
+    return text.strip(), common.parse_config(rest)[1] if rest or not own else {}
+
+
+def install_stateful(model, spec: str) -> list:
+    """Install the qcomm.fsdp collectives config ``spec`` asks for (``deltas=1``,
+    ``feedback=1``, with its ``state=``) on ``model``'s FSDP2 modules; returns them."""
     import qcomm.fsdp
 
-    options = name.split("-")[1:]
-    state = next((fsdp_state(o) for o in options if o.startswith("ws")), None)
-    kwargs = {} if state is None else {"state": state}
-    return [c for opt in options if opt in STATEFUL
-            for c in getattr(qcomm.fsdp, STATEFUL[opt])(model, **kwargs)]
+    own = split_config(spec)[0]
+    kwargs = {"state": fsdp_state(own["state"])} if "state" in own else {}
+    return [c for key, fn in FSDP_KEYS.items() if own.get(key) == "1"
+            for c in getattr(qcomm.fsdp, fn)(model, **kwargs)]
 
 
-def fsdp_state(opt: str):
-    """A ``ws...`` option -> the ``state=`` of qcomm.fsdp's collectives: ``ws32`` fp32,
-    ``wsd`` the tensors' dtype, ``wsN`` N-bit nearest codes in 128-element buckets
-    (``ws8`` is the default, :data:`qcomm.fsdp.DEFAULT_STATE`)."""
+def fsdp_state(value: str):
+    """``state=`` -> the ``state=`` of qcomm.fsdp's collectives: ``32`` fp32, ``dtype``
+    the tensors' dtype, ``N`` (1-8) N-bit nearest codes in 128-element buckets (``8`` is
+    the default, :data:`qcomm.fsdp.DEFAULT_STATE`)."""
     import qcomm.fsdp
 
-    if opt == "ws32":
+    if value == "32":
         return qcomm.fsdp.STATE_FP32
-    if opt == "wsd":
+    if value == "dtype":
         return qcomm.fsdp.STATE_DTYPE
-    bits = opt[2:]
-    if not bits.isdigit() or not 1 <= int(bits) <= 8:
-        raise ValueError(f"bad variant option {opt!r}: use ws32, wsd or wsN (N in 1-8)")
-    return qcomm.fsdp.DEFAULT_STATE.replace(bits=int(bits))
+    if not value.isdigit() or not 1 <= int(value) <= 8:
+        raise ValueError(f"bad config: state={value!r}, expected 1-8, 32 or dtype")
+    return qcomm.fsdp.DEFAULT_STATE.replace(bits=int(value))
 
 
 # ----------------------------------------------------------------------------- rank
@@ -448,7 +438,8 @@ def _environ(changes: dict):
                 os.environ[k] = v
 
 
-def run_variant(args, name: str, seed: int, link, mode: str = "fsdp2") -> dict:
+def run_variant(args, name: str, env: dict, seed: int, link, mode: str = "fsdp2") -> dict:
+    """One run of config ``name`` (``env``: its QCOMM_* variables)."""
     with tempfile.TemporaryDirectory(prefix="qcomm-train-") as tmp:
         spec = {"name": name, "data_seed": seed, "model": asdict(args.model), "mode": mode,
                 "mesh": args.mesh, "layout": args.layout,
@@ -460,11 +451,11 @@ def run_variant(args, name: str, seed: int, link, mode: str = "fsdp2") -> dict:
         if under_torchrun():
             spec["result"], spec["torchrun_run"] = None, args.runs_started
             args.runs_started += 1
-            with _environ(dict(parse_variant(name), QCOMM_SEED=str(seed))):
+            with _environ(dict(env, QCOMM_SEED=str(seed))):
                 return worker(spec)
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(spec))
-        env = dict(parse_variant(name), QCOMM_SEED=str(seed),
+        env = dict(env, QCOMM_SEED=str(seed),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(common.ROOT),
                                                             os.environ.get("PYTHONPATH")])))
         run_ranks(["-m", "bench.train", "--worker", str(spec_path)], args.world,
@@ -474,7 +465,7 @@ def run_variant(args, name: str, seed: int, link, mode: str = "fsdp2") -> dict:
 
 def summarize(rows: list[dict]) -> tuple[list[dict], list[str]]:
     """One summary row per mode and variant: means over seeds, paired differences vs the
-    mode's fp32, auto's ``vs_flat``; with the lines to print."""
+    mode's exact, auto's ``vs_flat``; with the lines to print."""
     modes = {}
     for r in rows:
         modes.setdefault(r.get("mode", "fsdp2"), []).append(r)
@@ -483,7 +474,8 @@ def summarize(rows: list[dict]) -> tuple[list[dict], list[str]]:
         summary, said = _summarize_mode(rs)
         for s in summary:
             s["mode"] = mode
-            flat = next((f for f in summary if f["variant"] == flat_twin(s["variant"])), None)
+            flat = next((f for f in summary
+                         if f["variant"] == common.flat_twin(s["variant"])), None)
             if flat:
                 s["vs_flat"] = flat["step_s"] / s["step_s"]
         out += summary
@@ -491,19 +483,11 @@ def summarize(rows: list[dict]) -> tuple[list[dict], list[str]]:
     return out, lines
 
 
-def flat_twin(name: str) -> str | None:
-    """``"w8g8-auto"`` -> ``"w8g8-flat"``; None for a variant without ``-auto``."""
-    head, *options = name.split("-")
-    if "auto" not in options:
-        return None
-    return "-".join([head, *("flat" if o == "auto" else o for o in options)])
-
-
 def _summarize_mode(rows: list[dict]) -> tuple[list[dict], list[str]]:
     by = {}
     for r in rows:
         by.setdefault(r["variant"], []).append(r)
-    base = {r["data_seed"]: r for r in by.get("fp32", [])}
+    base = {r["data_seed"]: r for r in by.get("exact", [])}
     base_step = statistics.median(r["step_s"] for r in base.values()) if base else None
     base_compute = statistics.median(r["compute_s"] for r in base.values()) if base else None
     base_wire = statistics.median(r["wire_bytes_per_step"] for r in base.values()) if base else None
@@ -523,7 +507,7 @@ def _summarize_mode(rows: list[dict]) -> tuple[list[dict], list[str]]:
                 s[f"{where}_mb_per_step"] = statistics.median(got) / 1e6
         paired = [100 * (r["final_eval"] / base[r["data_seed"]]["final_eval"] - 1)
                   for r in rs if r["data_seed"] in base]
-        if paired and name != "fp32":
+        if paired and name != "exact":
             s["paired_diff_pct"] = statistics.fmean(paired)
             s["paired_se_pct"] = (statistics.stdev(paired) / math.sqrt(len(paired))
                                   if len(paired) > 1 else float("nan"))
@@ -544,21 +528,21 @@ def _summarize_mode(rows: list[dict]) -> tuple[list[dict], list[str]]:
             s["of_bound"] = s["speedup"] / s["amdahl_bound"]
         out.append(s)
     if base_wire:
-        lines.append(f"# fp32 bytes on the wire per step: {base_wire / 1e6:.2f} MB; FSDP2 bf16 "
+        lines.append(f"# exact bytes on the wire per step: {base_wire / 1e6:.2f} MB; FSDP2 bf16 "
                      f"mixed precision would send half: {base_wire / 2e6:.2f} MB")
     return out, lines
 
 
 def topology_lines(summary: list[dict], link: str, layout: str | None) -> list[str]:
     """The two-level training target per mode and ``-auto`` variant with a ``-flat`` twin
-    and an fp32 baseline: auto faster than flat, both faster than fp32, held-out loss
-    within the noise of fp32 (not significant at 95% over paired seeds). Judged for
+    and an exact baseline: auto faster than flat, both faster than exact, held-out loss
+    within the noise of exact (not significant at 95% over paired seeds). Judged for
     FSDP2 at P >= 2 ranks per node on a shaped link (HSDP: the same line, no target)."""
     lines = []
     for auto in summary:
         mode = auto.get("mode", "fsdp2")
         same = {s["variant"]: s for s in summary if s.get("mode", "fsdp2") == mode}
-        flat, base = same.get(flat_twin(auto["variant"]) or ""), same.get("fp32")
+        flat, base = same.get(common.flat_twin(auto["variant"])), same.get("exact")
         if flat is None or base is None:
             continue
         per = int(layout.split("x")[1].split("-")[0]) if layout else 1
@@ -580,8 +564,8 @@ def topology_lines(summary: list[dict], link: str, layout: str | None) -> list[s
         lines.append(
             f"# {mode} {auto['variant']}: step {auto['step_s']:.3f} s vs {flat['variant']} "
             f"{flat['step_s']:.3f} s ({auto['vs_flat']:.2f}x; "
-            f"{judged('auto faster', verdicts[0])}), fp32 {base['step_s']:.3f} s "
-            f"({judged('both faster', verdicts[1])}); held-out loss vs fp32 "
+            f"{judged('auto faster', verdicts[0])}), exact {base['step_s']:.3f} s "
+            f"({judged('both faster', verdicts[1])}); held-out loss vs exact "
             f"{auto.get('paired_diff_pct', float('nan')):+.2f}% "
             f"({judged('within noise', verdicts[2])}); inter-node "
             f"{auto.get('inter_mb_per_step', float('nan')):.2f} vs "
@@ -598,7 +582,7 @@ T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 SUMMARY_COLUMNS = [
     Column("mode", "mode"), Column("variant", "variant"), Column("runs", "runs"),
     Column("final_eval_mean", "eval_loss", "{:.4f}"), Column("final_eval_sd", "sd", "{:.4f}"),
-    Column("paired_diff_pct", "vs_fp32_%", "{:+.2f}"), Column("paired_se_pct", "se_%", "{:.2f}"),
+    Column("paired_diff_pct", "vs_exact_%", "{:+.2f}"), Column("paired_se_pct", "se_%", "{:.2f}"),
     Column("significant_95", "sig95"),
     Column("step_s", "step_s", "{:.3f}"), Column("tokens_per_s", "tok/s", "{:.0f}"),
     Column("comm_share", "comm", "{:.0%}"),
@@ -654,12 +638,10 @@ def parse_ints(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
-    p.add_argument("--variants", type=common.arg(lambda s: [v for v in s.split(",") if v and
-                                                           parse_variant(v) is not None]),
-                   default=None,
-                   help="fp32 first (the baseline); wAgB[-nuq|-maxnorm|-wn|-gn|-wbN|-gbN|-wd|-ge"
-                        "|-wsN|-wsd|-ws32|-flat|-auto] (default " + ",".join(VARIANTS)
-                        + "; with --nodes " + ",".join(NODE_VARIANTS) + ")")
+    p.add_argument("--config", action="append", type=common.arg(parse_config),
+                   metavar="SPEC", help="one variant, repeatable: exact (the baseline) or "
+                   "qcomm's keys, plus deltas=1, feedback=1, state=8|N|32|dtype, e.g. "
+                   "bits=4,scheme=nuq,deltas=1 (default: see above)")
     p.add_argument("--mode", type=common.arg(lambda s: common.parse_list(s, MODES, "--mode")),
                    default=["fsdp2"],
                    help="comma list: fsdp2 (full shard over all ranks), hsdp (replicate "
@@ -686,20 +668,21 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--op-timeout", type=float, default=600)
     p.add_argument("--add-to", default=None, metavar="RUNS_JSON",
                    help="a previous train-*-runs.json: its runs join this summary (the same "
-                        "model and link; e.g. one more variant against the same fp32 seeds)")
+                        "model and link; e.g. one more config against the same exact seeds)")
 
 
 def resolve(args, parsed) -> str | None:
     """Fill in the layout (``args.node_of_rank``, ``args.mesh``: HSDP's rows of ranks by
-    node), world and variants; the error text of a bad combination, else None."""
+    node), world and configs; the error text of a bad combination, else None."""
     try:
         args.node_of_rank = node_layout(args.nodes, args.ranks_per_node, args.world,
                                         args.rank_order, link=parsed is not None)
     except ValueError as err:
         return str(err)
     args.layout = layout_name(args.node_of_rank)
-    if args.variants is None:
-        args.variants = list(NODE_VARIANTS if args.node_of_rank else VARIANTS)
+    if args.config is None:
+        args.config = [parse_config(c) for c in (NODE_CONFIGS if args.node_of_rank
+                                                 else CONFIGS)]
     if under_torchrun():
         if parsed or args.node_of_rank:
             return ("under torchrun the nodes and the link are torchrun's (real hosts and "
@@ -741,13 +724,13 @@ def _main(args, parsed, lead: bool) -> int:
                                command=args.command)
     header["train"] = {"model": asdict(args.model), "batch": args.batch, "steps": args.steps,
                        "lr": args.lr, "world": args.world, "seeds": args.seeds,
-                       "variants": args.variants, "modes": args.mode}
+                       "configs": [name for name, _ in args.config], "modes": args.mode}
     header["layout"], header["mesh"] = args.layout, args.mesh  # mesh: ranks by node
     print(common.format_header(header), flush=True)
     rows = []
     if args.add_to:  # earlier runs of the same set-up; the pairs run now replace theirs
         earlier = json.loads(Path(args.add_to).read_text())
-        now = {(m, v, s) for m in args.mode for v in args.variants for s in args.seeds}
+        now = {(m, v, s) for m in args.mode for v, _ in args.config for s in args.seeds}
         rows = [r for r in earlier["runs"]
                 if (r.get("mode", "fsdp2"), r["variant"], r["data_seed"]) not in now]
         header["added_to"] = earlier["header"]
@@ -755,8 +738,8 @@ def _main(args, parsed, lead: bool) -> int:
         with ShapedLink(args.link) if parsed else contextlib.nullcontext() as link:
             for seed in args.seeds:
                 for mode in args.mode:
-                    for name in args.variants:
-                        rows.append(run_variant(args, name, seed, link, mode))
+                    for name, env in args.config:
+                        rows.append(run_variant(args, name, env, seed, link, mode))
     except LinkError as err:
         print(f"python -m bench train: {err}", file=sys.stderr)
         return 2

@@ -5,9 +5,9 @@ Two hosts (network namespaces joined by a veth pair, unshaped unless ``--link`` 
 rate; needs root), one rank each. Per model and variant, each rank trains ``--steps``
 FSDP2 steps and reads its interface's ``tx_bytes`` before and after
 (``/sys/class/net/<dev>/statistics/tx_bytes``: every byte the host sent, TCP/IP framing
-and ACKs included; a barrier on the default group before each read). Variants: ``exact``
-(a qcomm group with every collective off: gloo's own calls, counted), ``qcomm8`` and
-``qcomm4`` (8- or 4-bit all-gathers, reduce-scatters and all-reduces). Models: ``demo``
+and ACKs included; a barrier on the default group before each read). Configs
+(``--config``, qcomm's keys, each a :func:`qcomm.wrap` of the group): ``exact`` (every
+collective off: gloo's own calls, counted), ``bits=8``, ``bits=4``. Models: ``demo``
 (``python -m qcomm.demo``'s TinyLM, width 128) and ``mlp`` (an embedding 256 x 512, four
 blocks of Linear(512, 2048) + Linear(2048, 512), a head; each block an FSDP module).
 
@@ -15,8 +15,9 @@ Per row, both hosts summed:
 
 - ``logical/iface``: the bytes the exact collectives would send under a direct exchange
   (qcomm.stats' ``logical_bytes``) over what the interfaces sent: the true ratio;
-- ``codec``: the codec's own ratio at that width (fp32 over the payload of a 2^20-element
-  tensor); the target is ``logical/iface >= 0.9 codec``;
+- ``codec``: the codec's own ratio at the config's (first compressed collective's)
+  quantization (fp32 over the payload of a 2^20-element tensor); the target is
+  ``logical/iface >= 0.9 codec``;
 - ``stats/iface``: qcomm.stats' ``wire_bytes`` over the interfaces' bytes (target within
   5%).
 
@@ -40,7 +41,7 @@ from .link import (UNSHAPED, LinkError, ShapedLink, parse_rate, pin_this_rank, r
                    worker_done)
 
 MODELS = ("demo", "mlp")
-VARIANTS = ("exact", "qcomm8", "qcomm4")
+CONFIGS = ("exact", "bits=8", "bits=4")
 COLUMNS = [
     common.Column("model", "model"),
     common.Column("variant", "variant"),
@@ -82,6 +83,7 @@ def worker(spec: dict) -> None:
     from torch.distributed.fsdp import fully_shard
 
     import qcomm
+    from qcomm.config import comm_config_from_env
 
     pin_this_rank()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec["op_timeout"]))
@@ -89,10 +91,9 @@ def worker(spec: dict) -> None:
     ifname = os.environ["GLOO_SOCKET_IFNAME"]
     rows = []
     for model_name in spec["models"]:
-        for variant in spec["variants"]:
-            q = None if variant == "exact" else qcomm.QuantConfig(bits=int(variant[5:]))
-            group = qcomm.wrap(dist.group.WORLD, qcomm.CommConfig(
-                all_gather=q, reduce_scatter=q, all_reduce=q))
+        for variant, env in spec["configs"]:
+            config = comm_config_from_env({**os.environ, **env})  # over the environment's
+            group = qcomm.wrap(dist.group.WORLD, config)
             mesh = DeviceMesh.from_group(group, "cpu")
             torch.manual_seed(0)
             model, blocks, loss_of = _model(model_name)
@@ -112,6 +113,7 @@ def worker(spec: dict) -> None:
             sent = _tx_bytes(ifname) - before
             s = qcomm.stats(group)
             rows.append({"model": model_name, "variant": variant, "rank": rank,
+                         "codec": codec_ratio(config),
                          "iface": sent, "step_s": took / spec["steps"],
                          "logical": sum(v.logical_bytes for v in s.values()),
                          "wire": sum(v.wire_bytes for v in s.values()),
@@ -122,12 +124,13 @@ def worker(spec: dict) -> None:
     worker_done(spec, rank, rows)
 
 
-def codec_ratio(bits: int) -> float:
-    """fp32 bytes over the payload bytes of a 2^20-element tensor at ``bits``."""
-    from qcomm import QuantConfig, packed_nbytes
+def codec_ratio(config) -> float:
+    """fp32 bytes over the payload bytes of a 2^20-element tensor at CommConfig
+    ``config``'s first compressed collective's quantization (1 if none is)."""
+    from qcomm import packed_nbytes
 
-    n = 1 << 20
-    return 4 * n / packed_nbytes(n, QuantConfig(bits=bits))
+    q = next(filter(None, (config.all_gather, config.reduce_scatter, config.all_reduce)), None)
+    return 1.0 if q is None else 4 * 2**20 / packed_nbytes(2**20, q)
 
 
 def summarize(per_rank: list[list[dict]]) -> list[dict]:
@@ -138,13 +141,13 @@ def summarize(per_rank: list[list[dict]]) -> list[dict]:
         iface = sum(p["iface"] for p in parts)
         logical = sum(p["logical"] for p in parts)
         wire = sum(p["wire"] for p in parts)
-        codec = codec_ratio(int(first["variant"][5:])) if first["variant"] != "exact" else 1.0
         ratio = logical / iface if iface else float("nan")
         rows.append({"model": first["model"], "variant": first["variant"],
                      "logical_mib": logical / 2**20, "iface_mib": iface / 2**20,
                      "stats_mib": wire / 2**20,
                      "control_mib": sum(p["control"] for p in parts) / 2**20,
-                     "ratio": ratio, "codec": codec, "of_codec": ratio / codec,
+                     "ratio": ratio, "codec": first["codec"],
+                     "of_codec": ratio / first["codec"],
                      "stats_vs_iface": wire / iface if iface else float("nan"),
                      "step_ms": 1e3 * max(p["step_s"] for p in parts),
                      "calls_compressed": first["compressed"], "calls_exact": first["exact"],
@@ -159,8 +162,9 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
                         "such as 100mbit (needs root either way)")
     p.add_argument("--models", type=common.arg(
         lambda t: common.parse_list(t, MODELS, "model")), default=list(MODELS))
-    p.add_argument("--variants", type=common.arg(
-        lambda t: common.parse_list(t, VARIANTS, "variant")), default=list(VARIANTS))
+    p.add_argument("--config", action="append", type=common.arg(common.parse_config),
+                   metavar="SPEC", help="one variant, repeatable: qcomm's keys, e.g. "
+                   "bits=4,scheme=nuq (default: " + " ".join(CONFIGS) + ")")
     p.add_argument("--steps", type=int, default=10, help="training steps per variant")
     p.add_argument("--timeout", type=float, default=1200, help="whole run, seconds")
     p.add_argument("--op-timeout", type=float, default=300, help="process groups' timeout")
@@ -173,10 +177,11 @@ def main(args) -> int:
         return 2
     header = common.run_header("wire", device="cpu (gloo)", link=args.link,
                                command=args.command)
-    header["sweep"] = {"models": args.models, "variants": args.variants,
+    configs = args.config or [common.parse_config(c) for c in CONFIGS]
+    header["sweep"] = {"models": args.models, "configs": [label for label, _ in configs],
                        "steps": args.steps, "world": 2}
     print(common.format_header(header), flush=True)
-    spec = {"models": args.models, "variants": args.variants, "steps": args.steps,
+    spec = {"models": args.models, "configs": configs, "steps": args.steps,
             "op_timeout": args.op_timeout}
     try:
         with ShapedLink(args.link) as link:

@@ -162,7 +162,7 @@ def _check_collectives(rows, tag, variants, colls=collectives.COLLECTIVES):
         else:
             assert r["compressed"] and r["ratio"] > 1
             assert 0 < r["rel_err"] < 1.5
-            if r.get("topology") != "auto":  # phases: the one-level algorithms only
+            if not r["two_level"]:  # phases: the one-level algorithms only
                 assert r["quant_us"] > 0 and r["xfer_us"] > 0 and r["dequant_us"] > 0
     assert {r["variant"] for r in rows} == set(variants)
 
@@ -173,14 +173,16 @@ def test_collectives_loopback(tmp_path, capsys):
                  "--timeout", "120", "--out", str(tmp_path)]) == 0
     header, rows = _load(tmp_path / "collectives-loopback.json")
     assert header["link"] == "loopback"
-    _check_collectives(rows, "loopback", collectives.VARIANTS)
+    _check_collectives(rows, "loopback", collectives.CONFIGS)
+    assert header["sweep"]["configs"] == list(collectives.CONFIGS)
+    assert {r["bits"] for r in rows if r["variant"].startswith("bits=")} == {8, 4, 2}
     out = capsys.readouterr().out
     assert "busbw(GB/s)" in out and "all_reduce" in out
 
 
 def test_target_line_judges_the_median_and_shows_the_fastest_call():
-    row = {"variant": "qcomm2", "size": 1 << 25, "speedup": 12.8, "ratio": 15.5,
-           "compressed": True, "topology": "flat", "link": "1gbit", "collective": "all_gather",
+    row = {"variant": "bits=2", "size": 1 << 25, "speedup": 12.8, "ratio": 15.5,
+           "compressed": True, "two_level": False, "link": "1gbit", "collective": "all_gather",
            "time_us": 17400.0, "best_us": 10500.0, "quant_us": 4000.0, "xfer_us": 10500.0,
            "dequant_us": 3000.0, "other_us": 0.0}
     (line,) = collectives.target_lines([row])
@@ -201,11 +203,12 @@ def test_link_needs_root(monkeypatch, tmp_path, capsys):
 def test_collectives_shaped_link(tmp_path):
     before = _netns()
     assert main(["collectives", "--link", "loopback,1gbit", "--sizes", "2^12", "--iters", "1",
-                 "--warmup", "1", "--variants", "exact,qcomm8", "--collectives", "all_gather",
+                 "--warmup", "1", "--config", "exact", "--config", "bits=8",
+                 "--collectives", "all_gather",
                  "--timeout", "120", "--out", str(tmp_path)]) == 0
     assert _netns() == before  # torn down
     _, rows = _load(tmp_path / "collectives-1gbit.json")
-    _check_collectives(rows, "1gbit", ["exact", "qcomm8"], ["all_gather"])
+    _check_collectives(rows, "1gbit", ["exact", "bits=8"], ["all_gather"])
     assert (tmp_path / "speedup-vs-link.png").exists() == common.have_matplotlib()
 
 
@@ -214,17 +217,18 @@ def test_wire_counts_the_interfaces(tmp_path):
     """bench wire, two unshaped hosts: the interface's bytes against the stats and the
     exact calls' bytes, the namespaces torn down after."""
     before = _netns()
-    assert main(["wire", "--models", "demo", "--variants", "exact,qcomm8", "--steps", "2",
+    assert main(["wire", "--models", "demo", "--config", "exact", "--config", "bits=8",
+                 "--steps", "2",
                  "--timeout", "180", "--out", str(tmp_path), "--no-plot"]) == 0
     assert _netns() == before
     _, rows = _load(tmp_path / "wire-unshaped.json")
     got = {r["variant"]: r for r in rows}
-    assert set(got) == {"exact", "qcomm8"}
-    assert got["qcomm8"]["calls_compressed"] > 0 and got["exact"]["calls_compressed"] == 0
+    assert set(got) == {"exact", "bits=8"}
+    assert got["bits=8"]["calls_compressed"] > 0 and got["exact"]["calls_compressed"] == 0
     # every interface sent at least what the stats say went to peers, and not much more
     for r in rows:
         assert 0.5 < r["stats_vs_iface"] <= 1.0, r
-    assert 3.0 < got["qcomm8"]["ratio"] < got["qcomm8"]["codec"], got["qcomm8"]
+    assert 3.0 < got["bits=8"]["ratio"] < got["bits=8"]["codec"], got["bits=8"]
 
 
 def test_node_layout():
@@ -248,30 +252,53 @@ def test_node_layout():
     assert link.link_shaping("1gbit", [0, 0, 1, 1])["ranks"] == {"a": [0, 1], "b": [2, 3]}
 
 
+def test_config_flag(capsys):
+    """--config SPEC, repeatable, in order: the label as written and its QCOMM_*
+    variables (qcomm.config.env_from_keys); a bad key or value is a usage error naming
+    it; the old grammars are gone."""
+    args = parser().parse_args(["collectives", "--config", "exact", "--config",
+                                "bits=4,scheme=nuq", "--config", "bf16"])
+    assert args.config == [("exact", {"QCOMM_BITS": "off"}),
+                           ("bits=4,scheme=nuq", {"QCOMM_BITS": "4", "QCOMM_SCHEME": "nuq"}),
+                           ("bf16", {})]
+    args = parser().parse_args(["overlap", "--config", "bits=8,async=0"])
+    assert args.config == [("bits=8,async=0", {"QCOMM_BITS": "8", "QCOMM_ASYNC": "0"})]
+    args = parser().parse_args(["memory", "--config", "bits=4,ag_bucket=128,deltas=1"])
+    assert args.config == [("bits=4,ag_bucket=128,deltas=1",
+                            {"QCOMM_BITS": "4", "QCOMM_AG_BUCKET": "128"})]
+    for what, bad, named in (("collectives", "bitz=4", "'bitz=4'"),
+                             ("collectives", "bits=9", "QCOMM_BITS"),
+                             ("overlap", "bf16", "'bf16'"), ("wire", "qcomm8", "'qcomm8'"),
+                             ("train", "w8g8", "'w8g8'"), ("train", "fp32", "'fp32'"),
+                             ("train", "bits=4,deltas=2", "deltas='2'"),
+                             ("memory", "bits=4,state=8", "needs deltas=1"),
+                             ("memory", "fsdp2", "'fsdp2'")):
+        with pytest.raises(SystemExit) as exit_:
+            main([what, "--config", bad])
+        assert exit_.value.code == 2
+        assert named in capsys.readouterr().err, (what, bad)
+    for what in ("collectives", "train", "memory", "overlap", "wire"):
+        with pytest.raises(SystemExit):
+            main([what, "--variants", "exact"])
+
+
 def test_node_flags(capsys):
-    assert collectives.parse_variant("qcomm8-auto") == (8, "auto")
-    assert collectives.parse_variant("qcomm4") == (4, None)
-    assert collectives.parse_variant("exact") == (None, None)
-    assert collectives.parse_variants("all") == list(collectives.VARIANTS)
-    for bad in ("qcomm9", "qcomm8-tree", "fp32"):
-        with pytest.raises(ValueError, match="variant"):
-            collectives.parse_variant(bad)
     args = parser().parse_args(["collectives", "--nodes", "2", "--ranks-per-node", "2",
                                 "--link", "100mbit", "--rounds", "3"])
     assert collectives.resolve(args) is None
     assert args.world == 4 and args.node_of_rank == [0, 0, 1, 1]
-    assert args.variants == list(collectives.NODE_VARIANTS) and args.rounds == 3
+    assert [c[0] for c in args.config] == list(collectives.NODE_CONFIGS) and args.rounds == 3
+    assert args.config[2][1] == {"QCOMM_BITS": "8", "QCOMM_TOPOLOGY": "auto"}
     args = parser().parse_args(["collectives"])
     assert collectives.resolve(args) is None and args.node_of_rank is None
-    assert args.variants == list(collectives.VARIANTS) and args.world >= 2
+    assert [c[0] for c in args.config] == list(collectives.CONFIGS) and args.world >= 2
     args = parser().parse_args(["train", "--nodes", "2", "--ranks-per-node", "2",
                                 "--mode", "fsdp2,hsdp", "--rank-order", "round-robin"])
     assert train.resolve(args, None) is None and args.mode == ["fsdp2", "hsdp"]
     assert args.mesh == [[0, 2], [1, 3]] and args.layout == "2x2-rr"
-    assert args.variants == train.NODE_VARIANTS
-    assert train.parse_variant("w8g8-auto")["QCOMM_TOPOLOGY"] == "auto"
-    assert train.parse_variant("w4g8-nuq-flat")["QCOMM_TOPOLOGY"] == "flat"
-    assert train.flat_twin("w8g8-nuq-auto") == "w8g8-nuq-flat" and train.flat_twin("w8g8") is None
+    assert [c[0] for c in args.config] == list(train.NODE_CONFIGS)
+    assert common.flat_twin("bits=8,topology=auto,deltas=1") == "bits=8,topology=flat,deltas=1"
+    assert common.flat_twin("bits=8") is None and common.flat_twin("topology=flat") is None
     # refused with a clear message, before anything starts
     assert main(["collectives", "--nodes", "3", "--link", "100mbit"]) == 2
     assert "--nodes must be 2" in capsys.readouterr().err
@@ -285,20 +312,20 @@ def test_node_flags(capsys):
 
 def test_topology_lines():
     def row(variant, t, err, inter, size=32 << 20, link_="100mbit"):
-        bits, topology = collectives.parse_variant(variant)
         return {"collective": "reduce_scatter", "variant": variant, "size": size,
-                "rank_bytes": size // 4, "bits": bits, "topology": topology, "time_us": t,
+                "rank_bytes": size // 4, "bits": 8, "time_us": t,
                 "rel_err": err, "inter": inter, "link": link_, "layout": "2x2"}
 
-    lines = collectives.topology_lines([row("qcomm8-flat", 2000, 0.010, 4e6),
-                                        row("qcomm8-auto", 1000, 0.0101, 2e6)])
+    FLAT, AUTO = "bits=8,topology=flat", "bits=8,topology=auto"
+    lines = collectives.topology_lines([row(FLAT, 2000, 0.010, 4e6), row(AUTO, 1000, 0.0101, 2e6),
+                                        row("bits=4,topology=auto", 900, 0.02, 1e6)])
     assert len(lines) == 1 and "2.00x faster (target >= 1.6x: met)" in lines[0]
     assert "(no worse: met)" in lines[0]
-    short = collectives.topology_lines([row("qcomm8-flat", 1500, 0.010, 4e6),
-                                        row("qcomm8-auto", 1000, 0.012, 2e6)])[0]
+    short = collectives.topology_lines([row(FLAT, 1500, 0.010, 4e6),
+                                        row(AUTO, 1000, 0.012, 2e6)])[0]
     assert "target >= 1.6x: short" in short and "(no worse: short)" in short
-    small = collectives.topology_lines([row("qcomm8-flat", 2000, 0.01, 4e6, size=1 << 20),
-                                        row("qcomm8-auto", 1000, 0.01, 2e6, size=1 << 20)])[0]
+    small = collectives.topology_lines([row(FLAT, 2000, 0.01, 4e6, size=1 << 20),
+                                        row(AUTO, 1000, 0.01, 2e6, size=1 << 20)])[0]
     assert "not judged under 8.0 MiB per rank" in small
 
 
@@ -308,7 +335,7 @@ def test_speedup_plot(tmp_path):
     for tag, speedup in (("loopback", 0.5), ("1gbit", 1.5), ("100mbit", 3.0)):
         rows = [{"collective": c, "variant": v, "size": 1 << 26, "speedup": s}
                 for c in collectives.COLLECTIVES
-                for v, s in (("exact", 1.0), ("qcomm8", speedup))]
+                for v, s in (("exact", 1.0), ("bits=8", speedup))]
         common.write_results(tmp_path, f"collectives-{tag}", dict(header, link=tag),
                              collectives.columns(False), rows)
     assert collectives.plot_speedup(tmp_path) == tmp_path / "speedup-vs-link.png"
@@ -318,7 +345,7 @@ def test_speedup_plot(tmp_path):
     for tag in ("1gbit", "100mbit"):
         common.write_results(tmp_path, f"collectives-{tag}-2x2",
                              dict(header, link=tag, layout="2x2"), collectives.columns(False),
-                             [dict(r, variant="qcomm8-auto") for r in rows])
+                             [dict(r, variant="bits=8,topology=auto") for r in rows])
     assert collectives.plot_speedup(tmp_path, "2x2") == tmp_path / "speedup-vs-link-2x2.png"
 
 
@@ -332,8 +359,8 @@ def _check_nodes(rows, header):
         assert r["layout"] == "2x2" and r["world"] == 4 and r["rounds"] == 2
         if variant == "exact":  # 3 peers, one on the node
             assert r["intra"] == pytest.approx(r["wire"] / 3)
-        if variant == "qcomm8-auto":
-            flat = by[(coll, "qcomm8-flat")]
+        if variant == "bits=8,topology=auto":
+            flat = by[(coll, "bits=8,topology=flat")]
             assert r["inter"] < 0.6 * flat["inter"] and r["vs_flat"] > 0
             assert r["rel_err"] < 1.5 * flat["rel_err"]
             assert "quant_us" not in r and "quant_us" in flat  # phases: one-level only
@@ -352,14 +379,14 @@ def test_collectives_nodes_shaped_link(tmp_path, capsys):
     assert _netns() == before  # torn down
     header, rows = _load(tmp_path / "collectives-1gbit-2x2.json")
     assert header["layout"] == "2x2" and header["link_shaping"]["ranks"]["b"] == [2, 3]
-    _check_collectives(rows, "1gbit", collectives.NODE_VARIANTS,
+    _check_collectives(rows, "1gbit", collectives.NODE_CONFIGS,
                        ["all_gather", "reduce_scatter"])
     hosts = _check_nodes(rows, header)
     names = [h["hostname"] for h in hosts]
     if shutil.which("unshare"):  # a UTS namespace per rank, the node's name in each
         assert names[0] == names[1] != names[2] == names[3]
     out = capsys.readouterr().out
-    assert "qcomm8-auto vs qcomm8-flat" in out and "vs_flat" in out
+    assert "bits=8,topology=auto vs bits=8,topology=flat" in out and "vs_flat" in out
 
 
 @pytest.mark.slow
@@ -367,13 +394,14 @@ def test_collectives_nodes_loopback(tmp_path):
     """The same layout on loopback (node ids only), round-robin rank order."""
     assert main(["collectives", "--nodes", "2", "--ranks-per-node", "2", "--sizes", "2^14",
                  "--iters", "1", "--warmup", "1", "--collectives", "all_reduce",
-                 "--rank-order", "round-robin", "--variants", "exact,qcomm8-flat,qcomm8-auto",
+                 "--rank-order", "round-robin", "--config", "exact", "--config",
+                 "bits=8,topology=flat", "--config", "bits=8,topology=auto",
                  "--timeout", "120", "--out", str(tmp_path)]) == 0
     header, rows = _load(tmp_path / "collectives-loopback-2x2-rr.json")
     assert [h["node"] for h in header["ranks"]] == ["node0", "node1", "node0", "node1"]
-    _check_collectives(rows, "loopback", collectives.NODE_VARIANTS, ["all_reduce"])
+    _check_collectives(rows, "loopback", collectives.NODE_CONFIGS, ["all_reduce"])
     by = {r["variant"]: r for r in rows}
-    assert by["qcomm8-auto"]["inter"] < 0.6 * by["qcomm8-flat"]["inter"]
+    assert by["bits=8,topology=auto"]["inter"] < 0.6 * by["bits=8,topology=flat"]["inter"]
 
 
 @pytest.mark.slow
@@ -382,7 +410,8 @@ def test_train_nodes_shaped_link(tmp_path, capsys):
     """FSDP2 and HSDP on 2 nodes x 2 ranks behind a link, exact and auto (2 steps)."""
     before = _netns()
     assert main(["train", "--nodes", "2", "--ranks-per-node", "2", "--link", "1gbit",
-                 "--mode", "fsdp2,hsdp", "--variants", "fp32,w8g8-auto", "--steps", "2",
+                 "--mode", "fsdp2,hsdp", "--config", "exact", "--config",
+                 "bits=8,topology=auto", "--steps", "2",
                  "--eval-every", "2", "--layers", "1", "--width", "32", "--heads", "2",
                  "--seq", "16", "--batch", "2", "--eval-windows", "4", "--limit-bytes",
                  "100000", "--timeout", "120", "--out", str(tmp_path), "--no-plot"]) == 0
@@ -390,17 +419,18 @@ def test_train_nodes_shaped_link(tmp_path, capsys):
     header, summary = _load(tmp_path / "train-1gbit-2x2.json")
     assert header["mesh"] == [[0, 1], [2, 3]] and header["layout"] == "2x2"
     runs = json.loads((tmp_path / "train-1gbit-2x2-runs.json").read_text())["runs"]
+    AUTO = "bits=8,topology=auto"
     assert [(r["mode"], r["variant"]) for r in runs] == [
-        ("fsdp2", "fp32"), ("fsdp2", "w8g8-auto"), ("hsdp", "fp32"), ("hsdp", "w8g8-auto")]
+        ("fsdp2", "exact"), ("fsdp2", AUTO), ("hsdp", "exact"), ("hsdp", AUTO)]
     by = {(r["mode"], r["variant"]): r for r in runs}
     for r in runs:
         assert r["inter_bytes_per_step"] > 0 and r["intra_bytes_per_step"] > 0
     # auto compresses only what crosses: fewer inter-node bytes than exact
     for mode in ("fsdp2", "hsdp"):
-        assert (by[(mode, "w8g8-auto")]["inter_bytes_per_step"]
-                < by[(mode, "fp32")]["inter_bytes_per_step"] / 2)
+        assert (by[(mode, AUTO)]["inter_bytes_per_step"]
+                < by[(mode, "exact")]["inter_bytes_per_step"] / 2)
     # HSDP shards inside a node: less crosses than with a full shard over all ranks
-    assert by[("hsdp", "fp32")]["inter_bytes_per_step"] < by[("fsdp2", "fp32")][
+    assert by[("hsdp", "exact")]["inter_bytes_per_step"] < by[("fsdp2", "exact")][
         "inter_bytes_per_step"]
     assert {(s["mode"], s["variant"]) for s in summary} == set(by)
 
