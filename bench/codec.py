@@ -10,6 +10,11 @@ Providers, side by side on the same tensors:
 - ``eager``: the same path uncompiled (off by default: slow).
 - ``memcpy``: ``dst.copy_(src)`` of the source tensor, the bandwidth ceiling.
 
+The environment's config is read once at the start (:func:`qcomm.comm_config_from_env`)
+and applied as a group's calls apply theirs: ``QCOMM_COMPILE=0`` runs the ``torch``
+provider eagerly, ``QCOMM_TRITON_WARPS`` sets the Triton warps per program
+(``bench/device_check.sh`` compares settings; the header records both).
+
 GB/s counts the bytes an op must move, the same for every provider: quantize reads
 ``n * itemsize`` and writes the payload (``packed_nbytes``: header, scales, codes);
 dequantize reads the payload and writes ``n * itemsize``; memcpy reads and writes
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 import qcomm
-from qcomm.config import SCHEMES, QuantConfig
+from qcomm.config import SCHEMES, CommConfig, QuantConfig, comm_config_from_env
 
 from . import common
 from .common import Column
@@ -92,7 +97,10 @@ def _row(point: Point, op: str) -> dict:
 
 
 @torch.no_grad()  # as the collectives call the codec (grad mode is part of a compile's key)
-def run(args) -> list[dict]:
+def run(args, env: CommConfig | None = None) -> list[dict]:
+    """The sweep's rows; ``env``: the config whose ``compile`` and ``triton_warps`` the
+    codec calls take (default: the environment's)."""
+    env = comm_config_from_env() if env is None else env
     device = torch.device(args.device)
     timeit = functools.partial(common.measure, iters=args.iters, budget_s=args.budget,
                                sync=common.sync_fn(device), cuda=device.type == "cuda")
@@ -102,7 +110,7 @@ def run(args) -> list[dict]:
     memcpy_s: dict = {}
     points = sweep(args.sizes, args.bits, args.schemes, args.dtypes)
     try:
-        _measure_points(points, rows, impls, inputs, timeit, memcpy_s, device)
+        _measure_points(points, rows, impls, inputs, timeit, memcpy_s, device, env)
     except KeyboardInterrupt:  # Ctrl-C (or `timeout -s INT`): keep what was measured
         print(f"# interrupted after {len(rows) // 2} of {len(points)} points: reporting "
               "those", file=sys.stderr, flush=True)
@@ -112,8 +120,10 @@ def run(args) -> list[dict]:
     return rows
 
 
-def _measure_points(points, rows, impls, inputs, timeit, memcpy_s, device) -> None:
-    """Measure ``points`` in order, appending two rows (quantize, dequantize) per point."""
+def _measure_points(points, rows, impls, inputs, timeit, memcpy_s, device,
+                    env: CommConfig) -> None:
+    """Measure ``points`` in order, appending two rows (quantize, dequantize) per point;
+    the codec keywords from ``env`` (:func:`codec_keywords`)."""
     for i, p in enumerate(points):
         x, y = inputs.get(p.dtype, p.numel)
         itemsize = x.element_size()
@@ -129,12 +139,13 @@ def _measure_points(points, rows, impls, inputs, timeit, memcpy_s, device) -> No
             row.update(bytes=moved, memcpy_gbps=copy_gbps)
         for impl in list(impls):
             try:
-                packed = qcomm.quantize(x, config, seed=1, impl=impl, out=payload)  # compiles
+                kw = codec_keywords(impl, env)
+                packed = qcomm.quantize(x, config, seed=1, out=payload, **kw)  # compiles
                 # timed here, before the loop moves on: the lambdas' names are this point's
-                tq = timeit(lambda: qcomm.quantize(x, config, seed=1, impl=impl,  # noqa: B023
-                                                   out=payload))  # noqa: B023
-                td = timeit(lambda: qcomm.dequantize(packed, out=y, impl=impl,  # noqa: B023
-                                                     check=False))
+                tq = timeit(lambda: qcomm.quantize(x, config, seed=1, out=payload,  # noqa: B023
+                                                   **kw))  # noqa: B023
+                td = timeit(lambda: qcomm.dequantize(packed, out=y, check=False,  # noqa: B023
+                                                     **kw))  # noqa: B023
             except Exception as e:  # one broken provider must not lose the others' sweep
                 print(f"# {impl} FAILED at {p}: {type(e).__name__}: {e}; dropped from the "
                       "rest of the sweep", file=sys.stderr, flush=True)
@@ -149,6 +160,13 @@ def _measure_points(points, rows, impls, inputs, timeit, memcpy_s, device) -> No
                 row["triton_vs_torch"] = row["torch_us"] / row["triton_us"]
         rows += [rq, rd]
         print(f"# [{i + 1}/{len(points)}] {p}", file=sys.stderr, flush=True)
+
+
+def codec_keywords(impl: str, env: CommConfig) -> dict:
+    """A provider's codec keywords under ``env``: its path (``torch`` runs eagerly where
+    ``env.compile`` is off) and ``env.triton_warps``."""
+    path = "eager" if impl == "torch" and not env.compile else impl
+    return {"impl": path, "warps": env.triton_warps}
 
 
 def columns(impls: list[str]) -> list[Column]:
@@ -254,10 +272,12 @@ def main(args) -> int:
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    env = comm_config_from_env()  # once: QCOMM_COMPILE, QCOMM_TRITON_WARPS
     header = common.start_local("codec", args, {
         "sizes": args.sizes, "bits": args.bits, "schemes": args.schemes, "dtypes": args.dtypes,
-        "iters": args.iters, "budget_s": args.budget})
-    rows = run(args)
+        "iters": args.iters, "budget_s": args.budget, "compile": env.compile,
+        "triton_warps": env.triton_warps})
+    rows = run(args, env)
     # the providers that measured anything (one that failed at its first point is gone)
     impls = [i for i in available_impls(device, args.impls)[0]
              if any(f"{i}_us" in r for r in rows)]

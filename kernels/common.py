@@ -9,7 +9,6 @@ import triton
 import triton.language as tl
 
 from qcomm import constants as C
-from qcomm.config import triton_warps
 
 
 # One program per bucket. Warps per program: one per 1024 elements, 1 to 8 (a 1024
@@ -18,9 +17,10 @@ from qcomm.config import triton_warps
 # the 8-bit min-max quantize kernel is 31.5 SASS instructions per element at 1 warp, 58
 # at 4 and 94 at 8 (static counts: `python tests/compile_for_gpu.py --sass`, triton 3.9),
 # and at ~33 T instructions/s an H200 must stay under ~60 per element to quantize fp32 at
-# its 4.3 TB/s copy rate. QCOMM_TRITON_WARPS overrides it (qcomm.config.triton_warps).
-def num_warps(bucket_size: int) -> int:
-    return triton_warps() or max(1, min(8, bucket_size // 1024))
+# its 4.3 TB/s copy rate. ``warps`` (a group's CommConfig.triton_warps, QCOMM_TRITON_WARPS,
+# which qcomm.codec passes down; 0: this choice) overrides it.
+def num_warps(bucket_size: int, warps: int = 0) -> int:
+    return warps or max(1, min(8, bucket_size // 1024))
 
 
 # qcomm.constants as Triton constants. Globals must be constexpr *instances*: triton
@@ -119,16 +119,17 @@ def row_layout(bits: int, elem_size: int) -> tuple[int, int]:
     return (R, nbytes) if nbytes in (1, 2, 4) else (8, 0)
 
 
-def tile_args(config, n: int, elem_size: int, halves: bool = False) -> dict:
+def tile_args(config, n: int, elem_size: int, halves: bool = False, warps: int = 0) -> dict:
     """The launch arguments both kernels share: tile shape, storage and index width.
     ``halves``: tiles of half a bucket where a half is whole rows (quantize: one hash
-    per pair of halves, qcomm.oracle's uniforms); PAIRED says whether it is."""
+    per pair of halves, qcomm.oracle's uniforms); PAIRED says whether it is. ``warps``:
+    warps per program (:func:`num_warps`; 0: by bucket size)."""
     B = config.bucket_size
     R, WORD = row_layout(config.bits, elem_size)
     paired = halves and B % (2 * R) == 0
     return dict(n_rows=-(-n // 8) * (8 // R), BITS=config.bits, B=B, R=R, WORD=WORD,
                 RBLOCK=triton.next_power_of_2(B // R // (2 if paired else 1)),
-                WIDE=n + B >= 2**31, num_warps=num_warps(B),
+                WIDE=n + B >= 2**31, num_warps=num_warps(B, warps),
                 **({"PAIRED": paired} if halves else {}))
 
 

@@ -105,11 +105,12 @@ def code_values(k, m0, m1, BITS: tl.constexpr, SCHEME: tl.constexpr, LEVELS: tl.
 
 
 def dequantize(meta: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, config,
-               accumulate: int) -> None:
+               accumulate: int, warps: int = 0) -> None:
     """Decode into 1-D contiguous ``out`` (``accumulate`` 0; 1: added into fp32 ``out``;
     -1: subtracted from it); or rows (``meta``,
     ``codes`` [R, ...] views of R payloads, ``out`` [R, n]) in one launch over a
-    (bucket, row) grid. Checked by qcomm.codec."""
+    (bucket, row) grid; ``warps`` per program (0: by bucket size). Checked by
+    qcomm.codec."""
     many = out.dim() == 2
     n = out.shape[-1]
     if n == 0 or out.numel() == 0:
@@ -119,6 +120,6 @@ def dequantize(meta: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, confi
     sid = effective_scheme_id(config.scheme, config.bits)
     _dequantize_kernel[(-(-n // config.bucket_size), out.shape[0] if many else 1)](
         meta, codes, out, n, SCHEME=sid, LEVELS=levels(sid, config.bits), **strides,
-        ACCUMULATE=int(accumulate), **tile_args(config, n, out.element_size()),
+        ACCUMULATE=int(accumulate), **tile_args(config, n, out.element_size(), warps=warps),
         enable_fp_fusion=False,  # mn + k * step must round as torch does (no FMA)
     )

@@ -60,10 +60,10 @@ def _dequantize_sum_kernel(
 
 def dequantize_sum(meta: torch.Tensor, codes: torch.Tensor, own: torch.Tensor,
                    out: torch.Tensor, config, skip: int | None, op: str,
-                   factor: float) -> None:
+                   factor: float, warps: int = 0) -> None:
     """``out = op(own + sum of the decodes of rows r != skip)``, rows of ``meta`` and
-    ``codes`` ([R, ...] views of R payloads), in fp32 in row order; checked by
-    qcomm.codec."""
+    ``codes`` ([R, ...] views of R payloads), in fp32 in row order; ``warps`` per
+    program (0: by bucket size); checked by qcomm.codec."""
     n = out.numel()
     if n == 0:
         return
@@ -73,6 +73,6 @@ def dequantize_sum(meta: torch.Tensor, codes: torch.Tensor, own: torch.Tensor,
         meta, codes, own, out, n, rows=rows, skip=rows if skip is None else skip,
         meta_row=meta.stride(0), codes_row=codes.stride(0), factor=float(factor),
         SCHEME=sid, LEVELS=levels(sid, config.bits), OP=OPS[op],
-        **tile_args(config, n, out.element_size()),
+        **tile_args(config, n, out.element_size(), warps=warps),
         enable_fp_fusion=False,  # decode and add round as torch does (no FMA)
     )

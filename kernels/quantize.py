@@ -204,10 +204,11 @@ def _quantize_kernel(
 
 
 def quantize(x: torch.Tensor, meta: torch.Tensor, codes: torch.Tensor, config,
-             key: int | list[int], skip: int | None = None) -> None:
+             key: int | list[int], skip: int | None = None, warps: int = 0) -> None:
     """Launch the fused quantize of 1-D contiguous ``x`` into ``meta`` and ``codes``; or,
     rows (``x`` [R, n], ``meta`` and ``codes`` [R, ...] views of R payloads, ``key`` R
-    keys), every row but ``skip`` in one launch over a (bucket, row) grid.
+    keys), every row but ``skip`` in one launch over a (bucket, row) grid. ``warps``:
+    warps per program (0: by bucket size).
 
     Shapes and dtypes are checked by ``qcomm.codec`` (the one caller); this writes
     ``meta`` (fp32) and ``codes`` (uint8) in place and never writes ``x``.
@@ -229,7 +230,7 @@ def quantize(x: torch.Tensor, meta: torch.Tensor, codes: torch.Tensor, config,
         x, meta, codes, n, key=key, SCHEME=sid, LEVELS=levels(sid, config.bits), MANY=many,
         **strides,
         L2=config.norm == "l2", STOCHASTIC=config.rounding == "stochastic",
-        **tile_args(config, n, x.element_size(), halves=True),
+        **tile_args(config, n, x.element_size(), halves=True, warps=warps),
         # A fused multiply-add rounds once where torch rounds twice and would flip a
         # code now and then: the wire bytes must match the torch path exactly.
         enable_fp_fusion=False,

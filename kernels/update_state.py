@@ -99,17 +99,18 @@ def _update_state_kernel(
 
 def update_state(s_meta: torch.Tensor, s_codes: torch.Tensor, d_meta: torch.Tensor,
                  d_codes: torch.Tensor, out: torch.Tensor, state_config,
-                 delta_config, scratch: torch.Tensor | None = None) -> None:
+                 delta_config, scratch: torch.Tensor | None = None, warps: int = 0) -> None:
     """Rows: ``s_meta``/``s_codes`` [R, ...] views of R state payloads (rewritten),
     ``d_meta``/``d_codes`` of R difference payloads, ``out`` [R, n]; checked by
-    qcomm.codec. ``scratch`` is not read: the sum stays in registers."""
+    qcomm.codec. ``scratch`` is not read: the sum stays in registers. ``warps``: warps
+    per program (0: by bucket size)."""
     R, n = out.shape
     if n == 0 or R == 0:
         return
     sid = effective_scheme_id(state_config.scheme, state_config.bits)
     dsid = effective_scheme_id(delta_config.scheme, delta_config.bits)
     # the state's tile shape for fp32 values (decoded and requantized in fp32)
-    args = tile_args(state_config, n, 4)
+    args = tile_args(state_config, n, 4, warps=warps)
     args["WIDE"] = args["WIDE"] or n + delta_config.bucket_size >= 2**31
     _update_state_kernel[(math.ceil(n / state_config.bucket_size), R)](
         s_meta, s_codes, d_meta, d_codes, out, n, s_meta_row=s_meta.stride(0),

@@ -3,17 +3,23 @@
 Paths (``impl=``):
 
 - ``"triton"``: the fused kernels of ``qcomm.kernels`` (CUDA tensors; CPU tensors only
-  under ``TRITON_INTERPRET=1``, how CI runs them).
+  under ``TRITON_INTERPRET=1``, how CI runs them). ``warps=`` (0: by bucket size) sets
+  the warps per program.
 - ``"torch"``: the tuned torch path, :mod:`qcomm.cpu`, compiled with ``torch.compile``
   (one compile per scheme, bits, bucket and dtype, cached; dynamic in the size;
-  repeated calls of one signature skip Dynamo, :mod:`qcomm.cpu.compiled`). Set
-  ``QCOMM_COMPILE=0`` to run it eagerly instead.
+  repeated calls of one signature skip Dynamo, :mod:`qcomm.cpu.compiled`).
 - ``"eager"``: the same path uncompiled (slow per call, no compile).
 
-``impl=None`` picks ``"triton"`` for CUDA tensors and ``"torch"`` otherwise. Both paths
-have the same launcher signature (``quantize(x, meta, codes, config, key)``,
-``dequantize(meta, codes, out, config, accumulate)``) and produce the bytes of
-:mod:`qcomm.oracle`, the readable reference, for the same seed.
+A path named is the path run. ``impl=None`` picks ``"triton"`` for CUDA tensors and,
+otherwise, ``"torch"`` or ``"eager"`` as the environment's config says
+(``QCOMM_COMPILE``, read once per process: :func:`qcomm.config.env_config`). A
+group's calls pass its own config's choice instead, read at group creation
+(:func:`codec_options`), and their ``warps`` (``QCOMM_TRITON_WARPS``); a direct call's
+``warps`` is its own (default 0). Every path and warp count gives the same bytes. All
+paths have the same launcher signature (``quantize(x, meta, codes, config, key)``,
+``dequantize(meta, codes, out, config, accumulate)``; the Triton ones' ``warps`` is
+bound by :func:`_launchers`) and produce the bytes of :mod:`qcomm.oracle`, the
+readable reference, for the same seed.
 
 Every op runs under ``torch.no_grad()``: an ``nn.Parameter`` (or any tensor that
 requires grad) is read like any other tensor, and nothing here builds a graph.
@@ -32,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu, layout
-from .config import QuantConfig, compile_enabled, triton_interpreted
+from .config import WARPS, CommConfig, QuantConfig, env_config, triton_interpreted
 from .constants import seed_key
 from .cpu import dequantize as cpu_dequantize
 from .cpu import quantize as cpu_quantize
@@ -106,9 +112,22 @@ def _what(t) -> str:
     return type(t).__name__
 
 
-def _select_impl(device: torch.device, impl: str | None) -> str:
+def codec_options(config: CommConfig, device: torch.device) -> dict:
+    """The codec keywords of a group's calls on ``device`` (``impl``, ``warps``) from
+    its config, read at group creation: on CPU the torch path compiled or eager as
+    ``config.compile`` says (named, so the environment's default does not apply), on
+    CUDA the Triton kernels with ``config.triton_warps`` warps per program."""
+    if device.type == "cuda":
+        return {"impl": None, "warps": config.triton_warps}
+    return {"impl": "torch" if config.compile else "eager", "warps": config.triton_warps}
+
+
+def _select_impl(device: torch.device, impl: str | None, warps: int = 0) -> str:
     if impl is None:
-        impl = "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            impl = "triton"
+        else:
+            impl = "torch" if env_config().compile else "eager"
     elif impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
     if impl == "triton" and device.type != "cuda" and not triton_interpreted():
@@ -116,22 +135,23 @@ def _select_impl(device: torch.device, impl: str | None) -> str:
             f"impl='triton' needs CUDA tensors (got device {device}); on CPU set "
             "TRITON_INTERPRET=1 before importing triton, or use impl='torch'"
         )
-    if impl == "torch" and not compile_enabled():
-        return "eager"
+    if isinstance(warps, bool) or not isinstance(warps, int) or (warps and warps not in WARPS):
+        raise ValueError(f"warps must be 0 (by bucket size) or one of {WARPS}, got {warps!r}")
     return impl
 
 
 @functools.cache
-def _launchers(path: str):
+def _launchers(path: str, warps: int = 0):
     """(quantize, dequantize, dequantize_sum, update_state) of one path, with the same
-    signatures."""
+    signatures; the Triton ones launch ``warps`` warps per program (0: by bucket)."""
     if path == "triton":
         from .kernels import dequantize as kd
         from .kernels import dequantize_sum as ks
         from .kernels import quantize as kq
         from .kernels import update_state as ku
 
-        return kq.quantize, kd.dequantize, ks.dequantize_sum, ku.update_state
+        return tuple(functools.partial(f, warps=warps) for f in
+                     (kq.quantize, kd.dequantize, ks.dequantize_sum, ku.update_state))
     wrap = compiled if path == "torch" else cpu.common.eager
     return (functools.partial(cpu_quantize.quantize, wrap=wrap),
             functools.partial(cpu_dequantize.dequantize, wrap=wrap),
@@ -153,12 +173,15 @@ def quantize(
     seed: int | None = None,
     impl: str | None = None,
     out: torch.Tensor | None = None,
+    warps: int = 0,
 ) -> Packed:
     """Quantize ``x`` (fp32, bf16 or fp16, any shape and size) into a :class:`Packed`.
 
     ``seed`` overrides ``config.seed`` (same seed, same bytes). ``out``, if given, is
     the uint8 payload buffer to write (``packed_nbytes(x.numel(), config)`` bytes,
     contiguous, on ``x``'s device): collectives quantize straight into send buffers.
+    ``impl`` and ``warps`` pick the path and the Triton warps per program (module
+    docstring; every entry point takes both).
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize expects a tensor, got {type(x).__name__}")
@@ -172,7 +195,7 @@ def quantize(
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {seed!r}")
     calls["quantize"] += 1
-    path = _select_impl(x.device, impl)
+    path = _select_impl(x.device, impl, warps)
     n = x.numel()
     nbytes = packed_nbytes(n, config)
     if out is None:
@@ -198,7 +221,7 @@ def quantize(
     flat = x if x.dim() == 1 else x.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    encode = _launchers(path)[0]
+    encode = _launchers(path, warps)[0]
     encode(flat, packed.meta(), packed.codes(), config, seed_key(seed))
     return packed
 
@@ -245,6 +268,7 @@ def dequantize(
     accumulate: bool = False,
     impl: str | None = None,
     check: bool = True,
+    warps: int = 0,
 ) -> torch.Tensor:
     """Decode ``packed`` into a new tensor of its source dtype and shape, or into ``out``.
 
@@ -257,7 +281,7 @@ def dequantize(
     calls["dequantize"] += 1
     n = packed.numel
     device = packed.payload.device
-    path = _select_impl(device, impl)
+    path = _select_impl(device, impl, warps)
     if accumulate:
         if out is None:
             raise ValueError("dequantize(accumulate=True) needs out= (a float32 tensor)")
@@ -276,7 +300,7 @@ def dequantize(
         result = torch.empty(shape, dtype=packed.dtype, device=device)
     if n == 0:
         return result
-    decode = _launchers(path)[1]
+    decode = _launchers(path, warps)[1]
     if result.is_contiguous():
         decode(packed.meta(), packed.codes(), result.view(-1), packed.config, accumulate)
     else:  # decode, then store
@@ -331,7 +355,8 @@ def _check_seeds(seeds, count: int) -> list[int]:
 
 @torch.no_grad()
 def quantize_rows(x: torch.Tensor, config: QuantConfig, seeds: Sequence[int], *,
-                  out: torch.Tensor, skip: int | None = None, impl: str | None = None) -> None:
+                  out: torch.Tensor, skip: int | None = None, impl: str | None = None,
+                  warps: int = 0) -> None:
     """Quantize every row of ``x`` ([R, n], rows of any stride) into the same row of
     ``out`` ([R, packed_nbytes(n)] uint8), row r with ``seeds[r]``, in one call: row r's
     bytes are those of ``quantize(x[r], config, seed=seeds[r])``. ``skip``: a row left
@@ -351,7 +376,7 @@ def quantize_rows(x: torch.Tensor, config: QuantConfig, seeds: Sequence[int], *,
         raise ValueError(f"skip must be a row index in [0, {R}) or None, got {skip!r}")
     seeds = _check_seeds(seeds, R)
     calls["quantize_rows"] += 1
-    path = _select_impl(x.device, impl)
+    path = _select_impl(x.device, impl, warps)
     spans = [(0, R)] if skip is None else [(0, skip), (skip + 1, R)]
     header = _header_tensor(n, x.dtype, config, x.device)
     used = HEADER_NBYTES + layout.meta_nbytes(n, config) + layout.codes_nbytes(n, config.bits)
@@ -363,7 +388,7 @@ def quantize_rows(x: torch.Tensor, config: QuantConfig, seeds: Sequence[int], *,
         return
     meta, codes = _payload_views(out, n, config)
     keys = [seed_key(s) for s in seeds]
-    encode = _launchers(path)[0]
+    encode = _launchers(path, warps)[0]
     if path == "triton":
         encode(x, meta, codes, config, keys, skip)
         return
@@ -403,7 +428,8 @@ def check_headers(rows: torch.Tensor, numel: int, dtype: torch.dtype, config: Qu
 @torch.no_grad()
 def dequantize_rows(rows: torch.Tensor, numel: int, dtype: torch.dtype, config: QuantConfig,
                     *, out: torch.Tensor, accumulate: bool = False, subtract: bool = False,
-                    impl: str | None = None, check: bool = True) -> torch.Tensor:
+                    impl: str | None = None, check: bool = True,
+                    warps: int = 0) -> torch.Tensor:
     """Decode payload row r of ``rows`` ([R, packed_nbytes(numel)] uint8) into row r of
     ``out`` ([R, numel], rows of any stride; cast to its dtype, or with ``accumulate``
     added into it, fp32), in one call: the values of ``dequantize`` row by row.
@@ -426,9 +452,9 @@ def dequantize_rows(rows: torch.Tensor, numel: int, dtype: torch.dtype, config: 
     calls["dequantize_rows"] += 1
     if numel == 0 or R == 0:
         return out
-    path = _select_impl(rows.device, impl)
+    path = _select_impl(rows.device, impl, warps)
     meta, codes = _payload_views(rows, numel, config)
-    decode = _launchers(path)[1]
+    decode = _launchers(path, warps)[1]
     if path == "triton" or R > 1:
         decode(meta, codes, out, config, accumulate)
     else:
@@ -440,7 +466,7 @@ def dequantize_rows(rows: torch.Tensor, numel: int, dtype: torch.dtype, config: 
 def dequantize_sum(rows: torch.Tensor, numel: int, dtype: torch.dtype, config: QuantConfig, *,
                    own: torch.Tensor, out: torch.Tensor, skip: int | None = None,
                    op: str = "sum", factor: float = 1.0, impl: str | None = None,
-                   check: bool = True) -> torch.Tensor:
+                   check: bool = True, warps: int = 0) -> torch.Tensor:
     """The reduce-scatter's receive side in one call: ``out = op(own + decode(row r) for
     every r != skip)``, summed in fp32 in row order (``own`` first, exact), then ``op``
     ("sum"; "avg": divided by ``factor``; "premul": multiplied by it), then cast to
@@ -465,9 +491,9 @@ def dequantize_sum(rows: torch.Tensor, numel: int, dtype: torch.dtype, config: Q
     calls["dequantize_sum"] += 1
     if numel == 0:
         return out
-    path = _select_impl(device, impl)
+    path = _select_impl(device, impl, warps)
     meta, codes = _payload_views(rows, numel, config)
-    _launchers(path)[2](meta, codes, own, out, config, skip, op, factor)
+    _launchers(path, warps)[2](meta, codes, own, out, config, skip, op, factor)
     return out
 
 
@@ -475,7 +501,8 @@ def dequantize_sum(rows: torch.Tensor, numel: int, dtype: torch.dtype, config: Q
 def update_state_rows(state: torch.Tensor, deltas: torch.Tensor, numel: int,
                       state_config: QuantConfig, delta_config: QuantConfig, *,
                       out: torch.Tensor, scratch: torch.Tensor | None = None,
-                      impl: str | None = None, check: bool = True) -> torch.Tensor:
+                      impl: str | None = None, check: bool = True,
+                      warps: int = 0) -> torch.Tensor:
     """A weight-difference gather's receive side (:mod:`qcomm.fsdp`) in one call, row by
     row: ``y = decode(state row r) + decode(deltas row r)`` (fp32, one add), stored into
     row r of ``out`` (cast to its dtype), and ``y`` quantized back into ``state`` row r
@@ -513,9 +540,9 @@ def update_state_rows(state: torch.Tensor, deltas: torch.Tensor, numel: int,
     calls["update_state_rows"] += 1
     if numel == 0 or R == 0:
         return out
-    path = _select_impl(device, impl)
+    path = _select_impl(device, impl, warps)
     s_meta, s_codes = _payload_views(state, numel, state_config)
     d_meta, d_codes = _payload_views(deltas, numel, delta_config)
-    _launchers(path)[3](s_meta, s_codes, d_meta, d_codes, out, state_config, delta_config,
+    _launchers(path, warps)[3](s_meta, s_codes, d_meta, d_codes, out, state_config, delta_config,
                         scratch)
     return out

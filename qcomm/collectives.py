@@ -153,7 +153,7 @@ def packed_all_gather(call: Call, outs, inp: torch.Tensor, seed: int, *,
     total = sum(sizes)
     riding = check is not None and check.rides  # one piece, in the descriptor's envelope
     if riding:  # every peer's row of the envelope: this payload
-        quantize(flat_in, q, seed=seed, out=check.payloads()[0])
+        quantize(flat_in, q, seed=seed, out=check.payloads()[0], **call.codec)
         check.start(same_for_all=True)
         check.finish()
     else:
@@ -163,7 +163,7 @@ def packed_all_gather(call: Call, outs, inp: torch.Tensor, seed: int, *,
     for p, (a, b) in enumerate(parts if not riding else ()):
         nbytes = sizes[p]
         mine = send[start:start + nbytes]
-        quantize(flat_in[a:b], q, seed=seed ^ (p << 56), out=mine)
+        quantize(flat_in[a:b], q, seed=seed ^ (p << 56), out=mine, **call.codec)
         if p == 0 and check is not None:
             check.finish()
         got = recv[world * start: world * (start + nbytes)]
@@ -185,12 +185,12 @@ def packed_all_gather(call: Call, outs, inp: torch.Tensor, seed: int, *,
             decode(p, a, b, rows)
         elif out_rows is not None:
             dequantize_rows(rows, b - a, inp.dtype, q, out=out_rows[:, a:b],
-                            accumulate=accumulate, check=False)
+                            accumulate=accumulate, check=False, **call.codec)
         else:
             for r, out in enumerate(outs):
                 dequantize_rows(rows[r:r + 1], b - a, inp.dtype, q,
                                 out=out.view(1, -1)[:, a:b], accumulate=accumulate,
-                                check=False)
+                                check=False, **call.codec)
         start += nbytes
     return total
 
@@ -235,7 +235,7 @@ def packed_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list[in
         piece_seeds = [s ^ (p << 56) for s in seeds]
         if residuals is None:
             # the own chunk stays exact; its slot only travels to itself
-            quantize_rows(x[:, a:b], q, piece_seeds, out=send, skip=rank)
+            quantize_rows(x[:, a:b], q, piece_seeds, out=send, skip=rank, **call.codec)
         else:
             fed = residuals.load(call, p, a, b)
             _quantize_fed(call, x[:, a:b], fed, piece_seeds, send)
@@ -260,7 +260,7 @@ def packed_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list[in
             rows = recv_all[size * start: size * (start + nbytes)].view(size, nbytes)
         call.check_received(rows, b - a, dtype, skip=rank)
         dequantize_sum(rows, b - a, dtype, q, own=x[rank, a:b], out=out[a:b], skip=rank,
-                       op=name, factor=factor, check=False)
+                       op=name, factor=factor, check=False, **call.codec)
         start += nbytes
     return total
 
@@ -276,11 +276,12 @@ def _quantize_fed(call: Call, x: torch.Tensor, fed: torch.Tensor, seeds: list[in
         if b == a:
             continue
         owed = fed[a:b].add_(x[a:b])
-        quantize_rows(owed.to(x.dtype), q, seeds[a:b], out=send[a:b])
+        quantize_rows(owed.to(x.dtype), q, seeds[a:b], out=send[a:b], **call.codec)
         # owed - decode in place: no fp32 buffer of the decoded rows, which the group's
         # cache would keep for good (W - 1 rows of the piece: 252 MiB at W = 64,
         # 2^20-element pieces), and one pass over them fewer.
-        dequantize_rows(send[a:b], m, x.dtype, q, out=owed, subtract=True, check=False)
+        dequantize_rows(send[a:b], m, x.dtype, q, out=owed, subtract=True, check=False,
+                        **call.codec)
         # A non-finite gradient is sent as it is (its bucket decodes NaN: GradScaler
         # sees the overflow and skips the step) but not owed: an inf kept in the
         # residual would poison every later step of this chunk.
@@ -423,7 +424,7 @@ def two_level_all_gather(call: Call, outs, inp: torch.Tensor, seed: int,
     for p, (a, b) in enumerate(parts):
         s, nbytes = starts[p], sizes[p]
         send = send_all[s:s + nbytes]
-        quantize(flat_in[a:b], q, seed=seed ^ (p << 56), out=send)
+        quantize(flat_in[a:b], q, seed=seed ^ (p << 56), out=send, **call.codec)
         if p == 0 and check is not None:
             check.finish()  # the ranks agree before anything is sent
         across = across_all[nodes * s: nodes * (s + nbytes)]
@@ -452,12 +453,12 @@ def two_level_all_gather(call: Call, outs, inp: torch.Tensor, seed: int,
                 decode(p, a, b, ordered)
             else:
                 dequantize_rows(ordered, b - a, inp.dtype, q, out=out_rows[:, a:b],
-                                accumulate=accumulate, check=False)
+                                accumulate=accumulate, check=False, **call.codec)
         else:
             for i, g in enumerate(order):
                 dequantize_rows(rows[g:g + 1], b - a, inp.dtype, q,
                                 out=flat_out[i].view(1, -1)[:, a:b], accumulate=accumulate,
-                                check=False)
+                                check=False, **call.codec)
         inter_bytes += (nodes - 1) * nbytes
         intra_bytes += (per_node - 1) * nodes * nbytes
     return inter_bytes + intra_bytes, intra_bytes

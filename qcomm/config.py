@@ -3,9 +3,12 @@ place that reads the environment.
 
 Every knob lives here: :func:`comm_config_from_env` maps the ``QCOMM_*`` variables of a
 group onto a :class:`CommConfig` (a bad value fails at group creation naming the
-variable); :func:`compile_enabled`, :func:`triton_interpreted` and :func:`triton_warps`
-are the codec's process-wide switches (read per call or once per process, not per
-group). No other module reads ``os.environ``.
+variable), the codec's switches included (``QCOMM_COMPILE``: compiled or eager torch
+path; ``QCOMM_TRITON_WARPS``: warps per kernel program), which the group's calls hand
+to the codec explicitly (:func:`qcomm.codec.codec_options`). :func:`env_config` is the
+environment's config read once per process, the default of direct codec calls that
+name no path. :func:`triton_interpreted` says how Triton itself was started, not a
+qcomm setting. No other module reads ``os.environ``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ INTRA_NODE: tuple[str, ...] = ("exact", "compress")
 # bounded: 32768 fp32 values are 128 KiB, the most that still compiles to a
 # spill-free kernel at 8 warps (64 registers/thread for the values alone).
 MAX_BUCKET_SIZE = 32768
+
+# Warps per Triton program CommConfig.triton_warps may force (0: by bucket size).
+WARPS = (1, 2, 4, 8, 16, 32)
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,13 @@ class CommConfig:
     # Whether an async_op=True compressed call returns at once (True: it runs on the
     # group's worker thread on CPU, its stream on CUDA) or completes first (False).
     asynchronous: bool = True
+    # The codec's data path on CPU: True compiles the torch path (torch.compile, ~10-25 s
+    # at the first call of each signature), False runs it eagerly (slower per call).
+    # The same bytes either way; CUDA tensors take the Triton kernels regardless.
+    compile: bool = True
+    # Warps per Triton program: 0 picks by bucket size (qcomm.kernels.common.num_warps),
+    # else one of WARPS (bench/device_check.sh compares settings). The same bytes.
+    triton_warps: int = 0
 
     def __post_init__(self) -> None:
         for name in ("all_gather", "reduce_scatter", "all_reduce"):
@@ -142,6 +155,13 @@ class CommConfig:
             raise TypeError(f"CommConfig.asynchronous must be a bool, got {self.asynchronous!r}")
         if self.inner is not None and not isinstance(self.inner, str):
             raise TypeError(f"CommConfig.inner must be a backend name or None, got {self.inner!r}")
+        if not isinstance(self.compile, bool):
+            raise TypeError(f"CommConfig.compile must be a bool, got {self.compile!r}")
+        if isinstance(self.triton_warps, bool) or not isinstance(self.triton_warps, int):
+            raise TypeError(f"CommConfig.triton_warps must be an int, got {self.triton_warps!r}")
+        if self.triton_warps and self.triton_warps not in WARPS:
+            raise ValueError(f"CommConfig.triton_warps must be 0 (by bucket size) or one of "
+                             f"{WARPS}, got {self.triton_warps}")
 
     def replace(self, **changes) -> CommConfig:
         return replace(self, **changes)
@@ -187,7 +207,8 @@ def comm_config_from_env(
     ``QCOMM_BUCKET``, ``QCOMM_SCHEME``, ``QCOMM_NORM``, ``QCOMM_ROUNDING``,
     ``QCOMM_MIN_NUMEL``, ``QCOMM_SEED``, ``QCOMM_INNER``, ``QCOMM_TOPOLOGY``
     (``auto``/``flat``), ``QCOMM_INTRA_NODE`` (``exact``/``compress``), ``QCOMM_ASYNC``
-    (``0``/``1``); ``QCOMM_AG_BUCKET``,
+    (``0``/``1``), ``QCOMM_COMPILE`` (``0``/``1``), ``QCOMM_TRITON_WARPS`` (``0`` or one
+    of :data:`WARPS`); ``QCOMM_AG_BUCKET``,
     ``QCOMM_RS_SCHEME``, ... (``AG``/``RS``/``AR`` x ``BUCKET``/``SCHEME``/``NORM``/
     ``ROUNDING``) set one collective and win over the common one. Unset variables keep
     ``base`` (default: :class:`CommConfig()`). A bad value raises ``ValueError``
@@ -233,12 +254,18 @@ def comm_config_from_env(
         if raw and raw not in allowed:
             raise ValueError(f"{var}={raw!r}: expected one of {allowed}")
         choice[field_] = raw or getattr(base, field_)
-    raw_async = env.get("QCOMM_ASYNC", "").strip()
-    if raw_async not in ("", "0", "1"):
-        raise ValueError(f"QCOMM_ASYNC={raw_async!r}: expected 0 or 1")
+    for var, field_ in (("QCOMM_ASYNC", "asynchronous"), ("QCOMM_COMPILE", "compile")):
+        raw = env.get(var, "").strip()
+        if raw not in ("", "0", "1"):
+            raise ValueError(f"{var}={raw!r}: expected 0 or 1")
+        choice[field_] = getattr(base, field_) if not raw else raw == "1"
+    warps = _parse_int(env, "QCOMM_TRITON_WARPS", base.triton_warps)
+    if warps and warps not in WARPS:
+        raise ValueError(f"QCOMM_TRITON_WARPS={env['QCOMM_TRITON_WARPS']!r}: expected 0 "
+                         f"(by bucket size) or one of {WARPS}")
     return CommConfig(
         **choice,
-        asynchronous=base.asynchronous if not raw_async else raw_async == "1",
+        triton_warps=warps,
         all_gather=one("AG", base.all_gather),
         reduce_scatter=one("RS", base.reduce_scatter),
         all_reduce=one("AR", base.all_reduce),
@@ -254,7 +281,7 @@ VARIABLES: tuple[str, ...] = (
     *(f"QCOMM_{p}_{k}" for p in ("AG", "RS", "AR")
       for k in ("BITS", "BUCKET", "SCHEME", "NORM", "ROUNDING")),
     "QCOMM_MIN_NUMEL", "QCOMM_SEED", "QCOMM_INNER", "QCOMM_TOPOLOGY", "QCOMM_INTRA_NODE",
-    "QCOMM_ASYNC",
+    "QCOMM_ASYNC", "QCOMM_COMPILE", "QCOMM_TRITON_WARPS",
 )
 
 
@@ -279,16 +306,19 @@ def env_from_keys(text: str) -> dict[str, str]:
     return env
 
 
+@functools.cache
+def env_config() -> CommConfig:
+    """The environment's :class:`CommConfig`, read once per process (at its first use;
+    a bad ``QCOMM_*`` value raises then, naming the variable): what a direct codec call
+    that names no path (``impl=None``) runs on CPU, compiled or eager
+    (``QCOMM_COMPILE``), so a process started with ``QCOMM_COMPILE=0`` (the test
+    workers, the demo) runs the codec eagerly without a group. Groups read their own
+    config at creation and pass it explicitly."""
+    return comm_config_from_env()
+
+
 # ---------------------------------------------------------------------------------
-# Process-wide switches of the codec
-
-
-def compile_enabled(env: Mapping[str, str] | None = None) -> bool:
-    """``QCOMM_COMPILE``: ``0`` runs the torch path eagerly (no ~10-25 s first-call
-    compile; slower per call); anything else, or unset, compiles it. Read per call, so a
-    test or benchmark can switch it."""
-    env = os.environ if env is None else env
-    return env.get("QCOMM_COMPILE", "1").strip() != "0"
+# How Triton was started (not a qcomm setting)
 
 
 def triton_interpreted(env: Mapping[str, str] | None = None) -> bool:
@@ -296,24 +326,6 @@ def triton_interpreted(env: Mapping[str, str] | None = None) -> bool:
     imported): the kernels then run on CPU tensors, how CI tests them."""
     env = os.environ if env is None else env
     return env.get("TRITON_INTERPRET", "").strip() == "1"
-
-
-WARPS = (1, 2, 4, 8, 16, 32)
-
-
-@functools.cache
-def triton_warps() -> int:
-    """``QCOMM_TRITON_WARPS``: warps per kernel program, overriding the choice by bucket
-    size (``bench/device_check.sh`` compares settings); 0 or unset: by bucket. Read once,
-    at the first launch."""
-    raw = os.environ.get("QCOMM_TRITON_WARPS", "").strip() or "0"
-    try:
-        warps = int(raw)
-    except ValueError:
-        raise ValueError(f"QCOMM_TRITON_WARPS={raw!r} is not an integer") from None
-    if warps and warps not in WARPS:
-        raise ValueError(f"QCOMM_TRITON_WARPS={raw!r}: expected 0 (by bucket) or one of {WARPS}")
-    return warps
 
 
 def node_key(env: Mapping[str, str] | None = None) -> str:

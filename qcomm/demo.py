@@ -15,8 +15,9 @@ Launched here, each process plays one host (``QCOMM_NODE=host<rank>``): under th
 default ``QCOMM_TOPOLOGY=auto`` ranks of one node send exact, and on one machine every
 rank is on one node. Under torchrun the real nodes count.
 
-The codec runs eagerly here (``QCOMM_COMPILE=0`` unless set: ``torch.compile`` costs
-~25 s per process before the first step, the same bytes either way).
+The codec runs eagerly here (``QCOMM_COMPILE=0`` unless set, read into the group's
+config when it is created: ``torch.compile`` costs ~25 s per process before the first
+step, the same bytes either way).
 """
 
 from __future__ import annotations
@@ -122,19 +123,18 @@ def _run(steps: int, dim: int) -> None:
             print(f"{i:>4}  {a:>10.4f}  {b:>10.4f}  {100 * (b - a) / a:>+7.2f}%")
     print("\nbytes rank 0 sent to its peers in the qcomm run:")
     print(format_table(snap))
-    print(_what_it_showed(snap, base, ours, t1 - t0, t2 - t1))
+    print(_what_it_showed(snap, base, ours, t1 - t0, t2 - t1, cfg))
 
 
 def _what_it_showed(snap, base: list[float], ours: list[float], t_gloo: float,
-                    t_qcomm: float) -> str:
-    """The closing lines: what the run showed, why loopback is not faster, what next."""
-    from .config import compile_enabled
-
+                    t_qcomm: float, cfg) -> str:
+    """The closing lines: what the run showed, why loopback is not faster, what next
+    (``cfg``: the qcomm group's CommConfig)."""
     names = {"all_gather": "all-gathers (weights)", "reduce_scatter":
              "reduce-scatters (gradients)", "all_reduce": "all-reduces"}
     cut = [f"{names[k]} {s.ratio:.2f}x" for k, s in snap.items() if s.calls_compressed]
     gap = max(abs(b - a) / abs(a) for a, b in zip(base, ours, strict=True))
-    codec = "runs eagerly here, QCOMM_COMPILE=0" if not compile_enabled() else "is compiled here"
+    codec = "runs eagerly here, QCOMM_COMPILE=0" if not cfg.compile else "is compiled here"
     shown = ("  fewer bytes on the wire than gloo sends for the same calls:\n    "
              f"{', '.join(cut)};" if cut
              else "  nothing was compressed (every QCOMM_*_BITS is off?);")

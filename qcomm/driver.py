@@ -27,7 +27,7 @@ import concurrent.futures
 import itertools
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from torch.distributed import ReduceOp
 
 from . import handshake, purpose
 from . import inner as I
-from .codec import FLOAT_DTYPES
+from .codec import FLOAT_DTYPES, codec_options
 from .config import CommConfig, QuantConfig, comm_config_from_env
 from .engine import AsyncWork, Engine, on_side_stream
 from .envelope import Envelope
@@ -329,6 +329,9 @@ class Call:
     index: int  # compressed calls this group made before this one
     rank: int  # this rank in the group
     world: int  # ranks in the group
+    # The codec keywords of this call's payloads (impl, warps: qcomm.codec.codec_options
+    # of the group's config and the tensor's device): every codec call passes them.
+    codec: dict = field(default_factory=dict)
 
     def seed(self, slot: int) -> int:
         """The seed of this call's payload ``slot`` (see the module docstring)."""
@@ -364,7 +367,7 @@ class Call:
 
     def on(self, inner, rank: int, world: int) -> Call:
         """This call's view of a subgroup (the same index, config and seeds)."""
-        return Call(self.kind, inner, self.state, self.q, self.index, rank, world)
+        return Call(self.kind, inner, self.state, self.q, self.index, rank, world, self.codec)
 
     def flat_bytes(self, wire: int) -> tuple[int, int]:
         """(wire, intra) of a one-level exchange that sends every peer alike."""
@@ -420,7 +423,8 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
         state.engine.drain()  # the inner group's calls in every rank's same order
         return exact()
     with state.lock:  # the call index, in the caller's order (seeds)
-        call = Call(kind, inner, state, q, state.next_call(), inner.rank(), state.world)
+        call = Call(kind, inner, state, q, state.next_call(), inner.rank(), state.world,
+                    codec_options(state.config, tensor.device))
 
     def body() -> None:
         state.check_failed()  # a call queued behind one that failed

@@ -63,7 +63,7 @@ import torch.distributed as dist
 
 from . import collectives as C
 from . import driver, handshake
-from .codec import dequantize_rows, quantize_rows, update_state_rows
+from .codec import codec_options, dequantize_rows, quantize_rows, update_state_rows
 from .config import CommConfig, QuantConfig
 from .layout import HEADER_NBYTES, meta_nbytes, packed_nbytes
 from .process_group import QcommProcessGroup, wrap
@@ -113,11 +113,14 @@ class PieceState:
       same bytes on every rank and device). A bucket holding inf or NaN is stored with
       zero meta, so it decodes to zeros: state never keeps a non-finite value.
 
-    Zero at first. ``store`` of the first two kinds replaces non-finite values by zero."""
+    Zero at first. ``store`` of the first two kinds replaces non-finite values by zero.
+    ``codec``: the keywords of its codec calls (:func:`qcomm.codec.codec_options` of the
+    group's config; default: the codec's own)."""
 
     def __init__(self, state, world: int, n: int, dtype: torch.dtype, device: torch.device,
-                 parts: list[tuple[int, int]]) -> None:
+                 parts: list[tuple[int, int]], *, codec: dict | None = None) -> None:
         self.state, self.world, self.parts = state, world, parts
+        self.codec = codec or {}
         if state == STATE_FP32 or state == STATE_DTYPE:
             kind = torch.float32 if state == STATE_FP32 else dtype
             self.data = torch.zeros(world, n, dtype=kind, device=device)
@@ -127,7 +130,7 @@ class PieceState:
             rows = torch.empty(world, packed_nbytes(b - a, state), dtype=torch.uint8,
                                device=device)
             quantize_rows(torch.zeros(world, b - a, device=device), state, [0] * world,
-                          out=rows)
+                          out=rows, **self.codec)
             self.data.append(rows)
 
     def nbytes(self) -> int:
@@ -150,7 +153,7 @@ class PieceState:
             rows.copy_(self.data[:, a:b])
         else:
             dequantize_rows(self.data[p], b - a, torch.float32, self.state, out=rows,
-                            check=False)
+                            check=False, **self.codec)
         return rows
 
     def store(self, p: int, rows: torch.Tensor) -> None:
@@ -163,7 +166,7 @@ class PieceState:
                 self.data[:, a:b].copy_(rows)
             return
         out = self.data[p]
-        quantize_rows(rows, self.state, [0] * self.world, out=out)
+        quantize_rows(rows, self.state, [0] * self.world, out=out, **self.codec)
         a, b = self.parts[p]
         meta = out[:, HEADER_NBYTES:HEADER_NBYTES + meta_nbytes(b - a, self.state)]
         # a non-finite bucket's meta is NaN (qcomm/layout.py); zero meta decodes to 0
@@ -184,7 +187,7 @@ class PieceState:
             scratch = call.buffer("fsdp_state", self.world * (b - a), torch.float32,
                                   out.device)
         update_state_rows(self.data[p], deltas, b - a, self.state, config, out=out,
-                          scratch=scratch, check=False)
+                          scratch=scratch, check=False, **self.codec)
 
     def subtract_row(self, call: driver.Call, r: int, x: torch.Tensor) -> torch.Tensor:
         """``x -= row r`` (``x``: fp32 [n]), piece by piece through a piece-sized scratch
@@ -194,7 +197,7 @@ class PieceState:
         for p, (a, b) in enumerate(self.parts):
             piece = call.buffer("fsdp_state", b - a, torch.float32, x.device).view(1, -1)
             dequantize_rows(self.data[p][r:r + 1], b - a, torch.float32, self.state,
-                            out=piece, check=False)
+                            out=piece, check=False, **self.codec)
             x[a:b].sub_(piece[0])
         return x
 
@@ -233,7 +236,9 @@ class _PerModule(_Allocate):
         key = (id(group), world, n, dtype, device, tuple(parts))
         got = self._states.get(key)
         if got is None:
-            got = self._states[key] = PieceState(self.state, world, n, dtype, device, parts)
+            codec = codec_options(driver.group_state(group).config, device)
+            got = self._states[key] = PieceState(self.state, world, n, dtype, device, parts,
+                                                 codec=codec)
         return got
 
 
@@ -275,7 +280,7 @@ class DeltaAllGather(_PerModule, _AllGatherBase):
                     return
                 acc = ref.load(call, p, a, b)
                 dequantize_rows(rows, b - a, torch.float32, call.q, out=acc,
-                                accumulate=True, check=False)
+                                accumulate=True, check=False, **call.codec)
                 out_rows[:, a:b].copy_(acc)
                 ref.store(p, acc)
 

@@ -9,7 +9,9 @@ and fails, so nothing hangs. ``dead`` names ranks expected to die without a resu
 one dict for all ranks or a list of one per rank.
 
 Workers run with ``QCOMM_COMPILE=0`` (the eager codec: ``torch.compile`` costs ~25 s per
-process and config) and one intra-op thread each (2 shared cores).
+process and config; read into each group's config at its creation, and by direct codec
+calls that name no path once per process, :func:`qcomm.config.env_config`) and one
+intra-op thread each (2 shared cores).
 """
 
 from __future__ import annotations

@@ -23,7 +23,13 @@ ROOT_AND_IP = os.geteuid() == 0 and shutil.which("ip") is not None
 
 @pytest.fixture(autouse=True)
 def _eager_codec(monkeypatch):
+    from qcomm.config import env_config
+
     monkeypatch.setenv("QCOMM_COMPILE", "0")  # inherited by the ranks
+    # and read anew by this process's direct codec calls (once per process otherwise)
+    env_config.cache_clear()
+    yield
+    env_config.cache_clear()
 
 
 def _load(path):

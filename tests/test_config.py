@@ -1,6 +1,8 @@
 """The environment -> CommConfig mapping (one function; errors name the variable)."""
 
 import pytest
+import torch
+from conftest import run_ranks
 
 from qcomm import CommConfig, QuantConfig, comm_config_from_env
 
@@ -39,22 +41,104 @@ def test_bad_values_name_the_variable(env, name):
         comm_config_from_env(env)
 
 
-def test_process_wide_switches(monkeypatch):
+def test_codec_switches_are_part_of_the_config():
+    """QCOMM_COMPILE and QCOMM_TRITON_WARPS are read once, into the group's frozen config;
+    a bad value names the variable, a bad field the field. TRITON_INTERPRET stays a
+    reading of how Triton was started."""
     from qcomm import config
 
-    assert config.compile_enabled({}) and not config.compile_enabled({"QCOMM_COMPILE": "0"})
+    assert (CommConfig().compile, CommConfig().triton_warps) == (True, 0)
+    assert comm_config_from_env({"QCOMM_COMPILE": "0"}).compile is False
+    assert comm_config_from_env({"QCOMM_COMPILE": "1"}).compile is True
+    assert comm_config_from_env({}, base=CommConfig(compile=False)).compile is False
+    for raw, want in (("", 0), ("0", 0), ("4", 4), ("32", 32)):
+        assert comm_config_from_env({"QCOMM_TRITON_WARPS": raw}).triton_warps == want
+    assert comm_config_from_env({}, base=CommConfig(triton_warps=8)).triton_warps == 8
+    for env in ({"QCOMM_COMPILE": "yes"}, {"QCOMM_TRITON_WARPS": "3"},
+                {"QCOMM_TRITON_WARPS": "many"}, {"QCOMM_TRITON_WARPS": "-4"}):
+        (name,) = env
+        with pytest.raises(ValueError, match=f"{name}={env[name]!r}"):
+            comm_config_from_env(env)
+    with pytest.raises(TypeError, match="CommConfig.compile must be a bool"):
+        CommConfig(compile=0)
+    with pytest.raises(TypeError, match="CommConfig.triton_warps must be an int"):
+        CommConfig(triton_warps="4")
+    with pytest.raises(TypeError, match="CommConfig.triton_warps must be an int"):
+        CommConfig(triton_warps=True)
+    with pytest.raises(ValueError, match="CommConfig.triton_warps must be 0"):
+        CommConfig(triton_warps=3)
+    assert {"QCOMM_COMPILE", "QCOMM_TRITON_WARPS"} <= set(config.VARIABLES)
+    assert config.env_from_keys("compile=0,triton_warps=4") == {
+        "QCOMM_COMPILE": "0", "QCOMM_TRITON_WARPS": "4"}
+    assert not hasattr(config, "compile_enabled") and not hasattr(config, "triton_warps")
     assert config.triton_interpreted({"TRITON_INTERPRET": "1"})
     assert not config.triton_interpreted({})
-    for raw, want in (("", 0), ("4", 4)):
-        monkeypatch.setenv("QCOMM_TRITON_WARPS", raw)
-        config.triton_warps.cache_clear()
-        assert config.triton_warps() == want
-    for bad in ("3", "many"):
-        monkeypatch.setenv("QCOMM_TRITON_WARPS", bad)
-        config.triton_warps.cache_clear()
-        with pytest.raises(ValueError, match="QCOMM_TRITON_WARPS"):
-            config.triton_warps()
-    config.triton_warps.cache_clear()
+
+
+def test_codec_options_and_the_direct_default(monkeypatch):
+    """A group's codec keywords come from its config alone (named paths); a direct call
+    that names none runs what the environment said at its first use, read once."""
+    from qcomm import codec, config
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert codec.codec_options(CommConfig(), cpu) == {"impl": "torch", "warps": 0}
+    assert codec.codec_options(CommConfig(compile=False), cpu) == {"impl": "eager", "warps": 0}
+    assert codec.codec_options(CommConfig(compile=False, triton_warps=2), cuda) == {
+        "impl": None, "warps": 2}
+    assert codec._select_impl(cpu, "torch") == "torch"  # named: whatever the environment
+    for bad in (3, -1, True, "4"):
+        with pytest.raises(ValueError, match="warps must be 0"):
+            codec.quantize(torch.ones(8), QuantConfig(bucket_size=8), impl="eager", warps=bad)
+
+    config.env_config.cache_clear()
+    try:
+        monkeypatch.setenv("QCOMM_COMPILE", "0")
+        assert codec._select_impl(cpu, None) == "eager"
+        monkeypatch.setenv("QCOMM_COMPILE", "1")
+        assert codec._select_impl(cpu, None) == "eager"  # read once per process
+        config.env_config.cache_clear()
+        assert codec._select_impl(cpu, None) == "torch"
+        assert codec._select_impl(cuda, None) == "triton"
+    finally:
+        config.env_config.cache_clear()
+
+
+def _codec_paths_body(rank, world):
+    """The paths and warps the codec is asked for by a group made from the environment
+    (the workers' QCOMM_COMPILE=0) and by one given compile=True, triton_warps=4."""
+    import torch.distributed as dist
+
+    import qcomm
+    from qcomm import codec
+
+    real, seen = codec._launchers, set()
+
+    def spy(path, warps=0):
+        seen.add((path, warps))
+        return real("eager")  # the same bytes on every path: no compile in the ranks
+
+    codec._launchers = spy
+    groups = {"env": qcomm.wrap(None),  # the QCOMM_* environment's config
+              "config": qcomm.wrap(None, CommConfig(compile=True, triton_warps=4))}
+    got = {}
+    for name, group in groups.items():
+        seen.clear()
+        x = torch.randn(2 * 4096, generator=torch.Generator().manual_seed(rank))
+        out = torch.empty(world * x.numel())
+        dist.all_gather_into_tensor(out, x, group=group)
+        dist.reduce_scatter_tensor(torch.empty(x.numel() // world), x, group=group)
+        dist.all_reduce(x, group=group)
+        got[name] = sorted(seen)
+    return got
+
+
+@pytest.mark.slow
+def test_group_calls_take_the_groups_codec_switches():
+    """Every codec call of a group runs the path and warps of the group's config, read
+    at creation: eager where the environment said QCOMM_COMPILE=0 (the test workers),
+    compiled with 4 warps where the config says so, in the same processes."""
+    for got in run_ranks(_codec_paths_body, 2, backend="gloo"):
+        assert got == {"env": [("eager", 0)], "config": [("torch", 4)]}
 
 
 def test_async_switch_is_part_of_the_config():

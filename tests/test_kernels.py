@@ -277,6 +277,33 @@ def test_triton_input_untouched():
     assert torch.equal(p.payload, payload)
 
 
+@pytest.mark.parametrize("warps", [1, 4])
+def test_warps_reach_the_launch_with_the_same_bytes(warps, monkeypatch):
+    """The codec's ``warps=`` (a group's CommConfig.triton_warps) is what every launcher
+    asks num_warps for, 0 by bucket size; the bytes and values stay the same (on a GPU
+    the programs really run that many warps; the interpreter ignores it)."""
+    from qcomm import dequantize_rows, quantize_rows
+    from qcomm.kernels import common
+
+    asked = []
+    real = common.num_warps
+    monkeypatch.setattr(common, "num_warps", lambda b, w=0: asked.append(w) or real(b, w))
+    cfg = QuantConfig(bits=4, bucket_size=B)
+    x = gradient_like(5 * B + 3, torch.float32)
+    want = quantize(x, cfg, seed=5, impl="triton")
+    got = quantize(x, cfg, seed=5, impl="triton", warps=warps)
+    assert torch.equal(got.payload, want.payload)
+    assert same_bits(dequantize(got, impl="triton", warps=warps), dequantize(want, impl="triton"))
+    rows = torch.empty(2, got.nbytes, dtype=torch.uint8, device=DEVICE)
+    quantize_rows(torch.stack([x, x]), cfg, [5, 5], out=rows, impl="triton", warps=warps)
+    assert torch.equal(rows[1], want.payload)
+    out = torch.empty(2, x.numel(), device=DEVICE)
+    dequantize_rows(rows, x.numel(), torch.float32, cfg, out=out, impl="triton", warps=warps)
+    assert same_bits(out[0], dequantize(want, impl="triton"))
+    assert asked == [0, warps, warps, 0, warps, warps, 0]
+    assert real(B) == 1 and real(8192) == 8 and real(8192, warps) == warps
+
+
 # The compiled CPU path: one compile per configuration (~10-25 s each on 2 cores), so a
 # few representative ones; the eager reference stands for the rest.
 @pytest.mark.parametrize(
@@ -292,10 +319,10 @@ def test_triton_input_untouched():
     ],
     ids=["minmax8-fp32", "minmax4-fp32", "nuq4-bf16", "maxnorm3-l2-fp16", "minmax8-b40-bf16"],
 )
-def test_compiled_torch_path_matches_eager(cfg, dtype, monkeypatch):
+def test_compiled_torch_path_matches_eager(cfg, dtype):
     from torch._dynamo.utils import counters
 
-    monkeypatch.setenv("QCOMM_COMPILE", "1")
+    # impl="torch" compiles whatever QCOMM_COMPILE says (a path named is the path run)
     # Dynamic lengths, with and without a partial last bucket: whole-bucket sizes after a
     # first compile once hit an Inductor lowering error (a reshape of a symbolic arange).
     # The first six lengths reach every graph (one bucket, full or partial; several);

@@ -146,14 +146,13 @@ def test_long_strided_rows_decode_one_row_a_call(dtype, monkeypatch):
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the torch path is the CPU's")
 @pytest.mark.parametrize("bits", [4, 8])  # codes through a byte buffer; straight in
-def test_compiled_rows_match_eager(bits, monkeypatch):
+def test_compiled_rows_match_eager(bits):
     """The compiled graphs of rows (a [rows, buckets, B] graph beside the [buckets, B]
     one, the unrolled sum) give the eager bytes and values, and new lengths and row
     strides reuse them (8 bits once failed on the second size: AOT autograd fixed the
     size of the payload buffer two mutated views came from)."""
     from torch._dynamo.utils import counters
 
-    monkeypatch.setenv("QCOMM_COMPILE", "1")
     cfg = QuantConfig(bits=bits, bucket_size=B)
     # (rows, n): new lengths, strides and row counts after the first two
     for i, (rows, n) in enumerate(((3, 64 * 5 + 7), (3, 64 * 4), (3, 64 * 9 + 1),
