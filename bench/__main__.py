@@ -4,6 +4,8 @@
     python -m bench rows                        # one codec call per payload vs per piece
     python -m bench collectives                 # ranks on loopback (self-launched)
     python -m bench collectives --link 1gbit    # two namespaces behind a shaped link
+    python -m bench collectives --config exact --config bits=4,scheme=nuq
+                                                # variants in qcomm's config keys (QCOMM_*)
     python -m bench train                       # FSDP2 training, exact vs quantized
     python -m bench overlap --link 100mbit      # async collectives behind compute
     python -m bench memory                      # peak RSS: FSDP2 vs qcomm.fsdp's state
@@ -16,9 +18,9 @@ Nodes (qcomm's topology): every self-launched rank is told its node (QCOMM_NODE)
 without --nodes each loopback rank is a node of its own and each --link namespace one.
 
     python -m bench collectives --nodes 2 --ranks-per-node 2 --link 100mbit
-        # 2 nodes x 2 ranks, a namespace per node: exact vs qcomm8-flat vs qcomm8-auto
+        # 2 nodes x 2 ranks, a namespace per node: exact, bits=8,topology=flat, bits=8,topology=auto
     python -m bench train --nodes 2 --ranks-per-node 2 --link 100mbit --mode fsdp2,hsdp
-        # FSDP2 full shard and HSDP on 2 x 2: fp32 vs w8g8-flat vs w8g8-auto
+        # FSDP2 full shard and HSDP on 2 x 2: the same three configs
 """
 
 from __future__ import annotations

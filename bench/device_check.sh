@@ -6,14 +6,13 @@
 #
 # Phases, each under its own time limit so one slow phase cannot lose the others:
 #   1. the GPU test tier, `pytest -m gpu` (the Triton kernels on CUDA against the oracle,
-#      byte for byte, and the tests that need CUDA), and beside it the CPU suite's
-#      collective files on this machine's torch (not CI's) with CUDA hidden. pytest is
-#      interrupted with SIGINT at its limit, so it still prints its short summary, and
-#      writes -rf lines and JUnit XML: every failure is named even when cut;
-#   2. the "qcomm" backend on CUDA tensors == on CPU tensors, bit for bit, each rank its
-#      own node so that calls compress (bench.crossdevice: it fails a config that
-#      compressed nothing); 2b. torch's contracts on CUDA (bench.cuda_contracts);
-#      2c. codec calls, kernel launches and time per compressed call against the exact
+#      byte for byte; the "qcomm" backend on CUDA tensors == on CPU tensors, compressed,
+#      tests/crossdevice.py; torch's contracts on CUDA, tests/cuda_contracts.py; FSDP2 on
+#      CUDA through both routes), and beside it the CPU suite's collective files on this
+#      machine's torch (not CI's) with CUDA hidden. pytest is interrupted with SIGINT at
+#      its limit, so it still prints its short summary, and writes -rf lines and JUnit
+#      XML: every failure is named even when cut;
+#   2c. codec calls, kernel launches and time per compressed call against the exact
 #      one, W = 1 over NCCL and W = 2 over gloo on CUDA tensors (bench launches);
 #      2d. W = 8 and 64 ranks simulated on the GPU: codec time and the break-even link
 #      bandwidth (bench breakeven);
@@ -24,7 +23,11 @@
 # WARPS=1 adds 4. the codec for 1, 2 and 4 warps per bucket program (~2.5 minutes more).
 #
 # Output: $OUT/summary.txt (one line a phase: its exit code and verdict; the names of
-# failed tests), $OUT/log.txt, and $OUT/results.tgz (re-packed after every phase).
+# failed tests), $OUT/log.txt, and $OUT/results.tgz (re-packed after every phase). Its
+# benchmark JSON/CSV go to bench/results/nvidia-h200/ as `python -m bench report` reads
+# them: codec-fp32/codec.* as codec.*, codec-half/codec.* as codec-half.*, warps-N/codec.*
+# as codec-warps-N.*, memory/memory-cuda.* as memory.*, launches/launches-cuda.* as
+# launches.*, breakeven/*, rows/* as they are.
 set -u
 OUT=${OUT:-/tmp/qcomm-device-out}
 R=/tmp/qcomm-results
@@ -83,12 +86,6 @@ wait
 tail -n 3 "$R/test_gpu.log" "$R/test_cpu_local.log"
 pack
 
-log "phase 2: qcomm backend, CUDA vs CPU tensors, compressed"
-run "2 crossdevice" 45 "$R/crossdevice.log" $PY -m bench.crossdevice --out "$R/crossdevice.json"
-grep -v "^\s*return func\|FutureWarning" "$R/crossdevice.log" | tail -n 10
-log "phase 2b: torch's contracts on CUDA (device_id, NCCL ops, functional ops, streams)"
-run "2b cuda contracts" 45 "$R/cuda_contracts.log" $PY -m bench.cuda_contracts
-grep -v "^\s*return func\|FutureWarning" "$R/cuda_contracts.log" | tail -n 8
 log "phase 2c: codec calls, launches and time per call, W = 1 NCCL and W = 2 gloo (CUDA)"
 run "2c launches" 30 "$R/launches.log" $PY -m bench launches --device cuda --worlds 1,2 \
   --sizes 10..22:4 --iters 10 --no-plot --out "$R/launches"

@@ -452,8 +452,8 @@ def test_link_torn_down_on_failure():
 
 
 def test_crossdevice_compare_sees_bits_values_hide():
-    """bench.crossdevice judges by bits: a signed zero or a NaN payload counts."""
-    from bench.crossdevice import compare, same_counters
+    """crossdevice.py judges by bits: a signed zero or a NaN payload counts."""
+    from crossdevice import compare, same_counters
 
     a = torch.tensor([0.0, 1.0, float("nan"), 2.0], dtype=torch.float16)
     side = lambda t: [{"outs": {"x": t}}, {"outs": {"x": t}}]  # noqa: E731

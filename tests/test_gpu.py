@@ -21,17 +21,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_backend_on_cuda_equals_cpu_compressed():
-    """bench.crossdevice's sequence, every config: the same bits on CUDA as on CPU, and
+    """crossdevice.py's sequence, every config: the same bits on CUDA as on CPU, and
     calls compressed (it fails a config that compressed nothing)."""
-    from bench import crossdevice
+    import crossdevice
 
     assert crossdevice.main([]) == 0
 
 
 def test_cuda_contracts():
     """device_id binding, native NCCL AVG / PREMUL_SUM, functional ops, async calls
-    across streams (bench.cuda_contracts)."""
-    from bench import cuda_contracts
+    across streams (cuda_contracts.py)."""
+    import cuda_contracts
 
     assert cuda_contracts.main() == 0
 

@@ -1,5 +1,5 @@
-"""``python -m bench.cuda_contracts``: torch's contracts on CUDA tensors, for
-``bench/device_check.sh``; prints one ``ok``/``FAIL`` line per check, exits 1 on a FAIL.
+"""torch's contracts on CUDA tensors (the GPU tier runs it: ``tests/test_gpu.py``; alone:
+``python tests/cuda_contracts.py``); prints one ``ok``/``FAIL`` line per check, exits 1 on a FAIL.
 
 1. ``init_process_group("qcomm", device_id=cuda:0)`` on NCCL, world size 1: the bound
    device, ``_get_backend``, a ``new_group`` from it, an all-reduce with AVG and
@@ -144,7 +144,7 @@ def gloo_two_ranks(store_path: str) -> int:
 
 def main() -> int:
     if not torch.cuda.is_available():
-        print("bench.cuda_contracts: no GPU here; nothing checked")
+        print("cuda_contracts: no GPU here; nothing checked")
         return 0
     print(f"torch {torch.__version__} on {torch.cuda.get_device_name(0)}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:

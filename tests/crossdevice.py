@@ -1,4 +1,5 @@
-"""``python -m bench.crossdevice``: the "qcomm" backend gives the same bits on CUDA as on CPU.
+"""The "qcomm" backend gives the same bits on CUDA as on CPU (the GPU tier runs it:
+``tests/test_gpu.py``; alone: ``python tests/crossdevice.py``).
 
 Two ranks run one fixed sequence of collectives through ``torch.distributed`` (the
 user's path: ``init_process_group("qcomm")``), once on CPU tensors and once on CUDA
@@ -11,7 +12,7 @@ compressed. A mismatch names the collective, dtype and config.
 Runs anywhere; without CUDA it only runs the CPU side (a smoke test of the script).
 Writes a JSON summary with ``--out FILE``.
 
-    python -m bench.crossdevice [--out crossdevice.json]
+    python tests/crossdevice.py [--out crossdevice.json]
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def same_counters(a: dict, b: dict) -> bool:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.crossdevice", description=__doc__,
+    p = argparse.ArgumentParser(prog="python tests/crossdevice.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="write a JSON summary here")
     p.add_argument("--configs", default=",".join(c for c, _ in CONFIGS),
