@@ -166,6 +166,12 @@ class CommConfig:
     def replace(self, **changes) -> CommConfig:
         return replace(self, **changes)
 
+    def shared(self) -> CommConfig:
+        """What every rank of a group must hold alike: all but ``compile`` and
+        ``triton_warps``, which choose how this rank computes the same bytes (a CPU rank
+        and a GPU rank, or two GPU kinds tuned apart, may differ in them)."""
+        return replace(self, compile=True, triton_warps=0)
+
 
 # (variable suffix, QuantConfig field) of the codec settings the environment can set.
 _CODEC_VARS = (("BUCKET", "bucket_size"), ("SCHEME", "scheme"), ("NORM", "norm"),

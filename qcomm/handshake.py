@@ -62,7 +62,7 @@ def check_at_creation(store, rank: int, size: int, config: CommConfig,
     started with other ``QCOMM_*`` variables fails ``init_process_group`` / ``new_group``
     naming both configs. Each rank also posts its ``node`` key; returns every rank's,
     in rank order (the same list on every rank: :class:`qcomm.topology.Topology`)."""
-    mine = repr(config)
+    mine = repr(config.shared())
     # A store outlives its groups (torchrun's agent store; init_process_group after
     # destroy_process_group reuses the group name): each rank counts the groups it made
     # on this store, and ranks compare under that count. Unnumbered, a rank could read a
@@ -99,7 +99,7 @@ def _config_blob(config: CommConfig, node: str) -> bytes:
     if len(key) > NODE_NBYTES:
         raise ValueError(f"qcomm node key {node!r} is longer than {NODE_NBYTES} bytes "
                          "(QCOMM_NODE)")
-    text = repr(config).encode()
+    text = repr(config.shared()).encode()
     blob = hashlib.sha256(text).hexdigest().encode() + key.ljust(NODE_NBYTES, b"\0") + text
     return blob[:CONFIG_NBYTES].ljust(CONFIG_NBYTES, b"\0")
 

@@ -329,6 +329,17 @@ def test_config_agreement_checked_through_store():
     assert set(errors) == {0, 1} and "min_numel=7" in errors[0]
 
 
+def test_ranks_may_compute_the_same_bytes_their_own_way():
+    """compile and triton_warps choose how a rank computes the bytes, not which bytes:
+    ranks that differ only there agree (at creation and at a plain group's first call)."""
+    from qcomm.handshake import _config_blob
+
+    mine, theirs = CommConfig(), CommConfig(compile=False, triton_warps=4)
+    assert _agree_in_threads(dist.HashStore(), mine, theirs) == {}
+    assert _config_blob(mine, "n") == _config_blob(theirs, "n")
+    assert _config_blob(mine, "n") != _config_blob(mine.replace(min_numel=7), "n")
+
+
 def test_config_agreement_ignores_earlier_groups_on_the_same_store():
     """Groups made one after another on one store (torchrun's agent store, re-init after
     destroy) never compare against a peer's config from an earlier group."""
