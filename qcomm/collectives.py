@@ -303,7 +303,7 @@ def _quantize_fed(call: Call, x: torch.Tensor, fed: torch.Tensor, seeds: list[in
 # bits, 2^21 at 2; but a tensor is cut into at least MIN_PIECES pieces of at least PIECE
 # elements where it can. Chosen by timing pieces of 2^19, 2^20 and 2^21 elements side by
 # side at 1 Gbit/s, 2^22 and 2^24 elements a rank, 2-8 bits
-# (`bench/experiments/pipeline_toggle.py pieces 1gbit ag|rs`, AMD EPYC 2 cores AVX-512:
+# (`bench/experiments/pipeline_toggle.py pieces 1gbit ag|rs` at f72c4cf, AMD EPYC 2 cores AVX-512:
 # docs/results.md, "Flat collectives at 1 Gbit/s"): no one size wins everywhere; these
 # were within 5% of the best at 4 and 8 bits and within 20% at 2. Rounded to whole
 # buckets, so pieces quantize exactly as the unsplit chunk would.

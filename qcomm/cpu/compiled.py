@@ -6,7 +6,7 @@ Why skip it: a call of a compiled function goes through Dynamo's frame evaluatio
 guards and its disable/enable wrappers before the graph runs. Here (2-core Zen 3 VM,
 torch 2.13) the 8-bit quantize graph of 2048 fp32 elements took 140-162 us a call
 through Dynamo and 44-48 us called directly, arguments gathered as below included
-(two runs of ``bench/experiments/side_by_side.py dynamo``). A codec
+(two runs of ``bench/experiments/side_by_side.py dynamo`` at f72c4cf). A codec
 call makes one to three such calls.
 
 How it stays correct: the graph is the one Dynamo compiled (a backend that hands

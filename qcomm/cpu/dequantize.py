@@ -54,7 +54,7 @@ def dequantize(meta: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, confi
 # ran slower per element than one call per contiguous row from 2^18-2^19 elements a row
 # up, and fell off a cliff at 2^20 (R x 2^21 fp32 outputs decoded in pieces of the
 # size, ms, rows graph / a call per row, 1 thread, AMD EPYC AVX-512;
-# `bench/experiments/strided_decode.py BITS R --no-split`): 2 bits R = 2
+# `bench/experiments/strided_decode.py BITS R --no-split` at f72c4cf): 2 bits R = 2
 # 2^17 3.60 / 4.45, 2^18 2.44 / 2.11, 2^19 2.27 / 1.64, 2^20 2.40 / 1.22; R = 8 2^17
 # 7.30 / 11.80, 2^18 7.80 / 7.95, 2^19 8.06 / 6.51, 2^20 38.0 / 5.74; 8 bits R = 8 2^18
 # 9.80 / 8.44, 2^19 11.47 / 7.48, 2^20 38.9 / 6.07. Into contiguous rows the rows graph

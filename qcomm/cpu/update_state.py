@@ -6,7 +6,7 @@ that is fp32), add the decoded differences, quantize the sum back into the state
 Why not one compiled graph here: written as one (decode both, add, store, bucket
 statistics, codes), Inductor kept full-size fp32 and int32 temporaries of it (the sum,
 the unpacked codes), and it ran slower than the three tuned passes except at small
-sizes. ``bench/experiments/fused_state_update.py`` (8-bit state, 4-bit differences in
+sizes. ``bench/experiments/fused_state_update.py`` (at f72c4cf) (8-bit state, 4-bit differences in
 1024-element buckets; AMD EPYC, 2 cores, AVX-512, torch 2.13; one run, one graph / three
 passes, ms): W = 2 x 2^16 0.35 / 0.72; W = 8 x 2^17 1.44 / 1.43; W = 2 x 2^20
 3.45 / 2.13; W = 8 x 2^20 50.9 / 11.0, and in calls of 128 spans (2^17 elements a row)
