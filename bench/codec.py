@@ -19,15 +19,13 @@ GB/s counts the bytes an op must move, the same for every provider: quantize rea
 ``n * itemsize`` and writes the payload (``packed_nbytes``: header, scales, codes);
 dequantize reads the payload and writes ``n * itemsize``; memcpy reads and writes
 ``n * itemsize``. ``frac`` is a provider's GB/s over memcpy's at the same size and
-dtype. Targets: CPU path >= 0.8x memcpy; GPU (Triton) >= 0.9x memcpy and faster than
-the compiled torch path.
+dtype.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
 from dataclasses import dataclass
 
@@ -42,10 +40,6 @@ from .common import Column
 IMPLS = ("triton", "torch", "eager")
 OPS = ("quantize", "dequantize")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# The codec's targets, as fractions of memcpy bandwidth at sizes >= TARGET_MIN_NUMEL
-# (below it, launch and Python overhead dominate and no codec can reach them).
-TARGET_FRAC = {"cpu": 0.8, "cuda": 0.9}
-TARGET_MIN_NUMEL = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -103,7 +97,7 @@ def run(args, env: CommConfig | None = None) -> list[dict]:
     env = comm_config_from_env() if env is None else env
     device = torch.device(args.device)
     timeit = functools.partial(common.measure, iters=args.iters, budget_s=args.budget,
-                               sync=common.sync_fn(device), cuda=device.type == "cuda")
+                               device=device)
     impls, notes = available_impls(device, args.impls)
     inputs = Inputs(device)
     rows: list[dict] = []
@@ -180,28 +174,6 @@ def columns(impls: list[str]) -> list[Column]:
     if "triton" in impls and "torch" in impls:
         cols.append(Column("triton_vs_torch", "triton speedup vs compiled", "{:.2f}x"))
     return cols
-
-
-def summary(rows: list[dict], impls: list[str], device: torch.device) -> list[str]:
-    """One line per provider and op: median fraction of memcpy at large sizes vs target."""
-    target = TARGET_FRAC["cuda" if device.type == "cuda" else "cpu"]
-    lines = []
-    if not any(r["numel"] >= TARGET_MIN_NUMEL for r in rows):
-        return [f"# no size >= {TARGET_MIN_NUMEL} elements: the {target}x memcpy target "
-                "is not judged"]
-    for impl in impls:
-        for op in OPS:
-            fracs = [r[f"{impl}_frac"] for r in rows
-                     if r["op"] == op and r["numel"] >= TARGET_MIN_NUMEL
-                     and f"{impl}_frac" in r]
-            if fracs:
-                med = statistics.median(fracs)
-                lines.append(
-                    f"# {impl:6s} {op:10s}: median {med:.2f}x memcpy at >= "
-                    f"{TARGET_MIN_NUMEL} elements (target {target}x: "
-                    f"{'met' if med >= target else 'NOT met'}; min {min(fracs):.2f}, "
-                    f"max {max(fracs):.2f})")
-    return lines
 
 
 def plot(folder, rows: list[dict], impls: list[str], header: dict):
@@ -282,8 +254,6 @@ def main(args) -> int:
     impls = [i for i in available_impls(device, args.impls)[0]
              if any(f"{i}_us" in r for r in rows)]
     folder = common.report("codec", header, columns(impls), rows, args.out, "codec")
-    for line in summary(rows, impls, device):
-        print(line)
     if not args.no_plot:
         png = plot(folder, rows, impls, header)
         if png:

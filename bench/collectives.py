@@ -1,7 +1,7 @@
 """``python -m bench collectives``: all-gather, reduce-scatter and all-reduce, exact vs
 qcomm at 8/4/2 bits vs a plain bf16 cast, in nccl-tests' layout.
 
-The ranks are started by the benchmark itself (:func:`bench.link.run_ranks`): on
+The ranks are started by the benchmark itself (:func:`bench.link.run_spec`): on
 loopback, or with ``--link RATE`` as two hosts (network namespaces) joined by a link
 shaped to RATE. Several rates (``--link loopback,1gbit,100mbit``) run one after the
 other and add a plot of the speedup over exact against the link rate.
@@ -19,7 +19,7 @@ definition; the same for exact gives ``size * factor``), ``ratio`` (exact wire /
 wire), ``speedup`` (exact time / time), ``rel_err`` (``|y - y_exact| / |y_exact|``
 against the exact fp32 result), and for qcomm the phases timed on their own:
 ``quant``, ``xfer`` (the inner collectives on the payload bytes) and ``dequant``
-(all codec calls of one collective), so a shortfall shows where the time went.
+(all codec calls of one collective): where the time went.
 
 Each point: warm-up calls, then the median of ``--iters`` timed calls (fewer, never
 under 3, when one point would exceed ``--budget`` seconds); every timed call starts
@@ -39,8 +39,8 @@ something). The default configs are then ``exact``, ``bits=8,topology=flat`` and
 
     python -m bench collectives --nodes 2 --ranks-per-node 2 --link 100mbit --rounds 5
 
-With ``--sizes 2^23`` alone it measures the two-level target's point: 8 MiB per rank (each rank's
-all-gather shard and reduce-scatter output, fp32) at 4 ranks.
+``--sizes 2^23`` is 8 MiB per rank (each rank's all-gather shard and reduce-scatter
+output, fp32) at 4 ranks.
 
 Configs (``--config``, one variant each; its text labels the rows): ``exact`` (the inner
 gloo/NCCL collective), ``bf16`` (a cast around it), else qcomm's keys
@@ -52,21 +52,18 @@ peers on other nodes / on its own (qcomm.stats' ``inter_node_bytes`` /
 ``intra_node_bytes``, averaged over the ranks; for exact and bf16 the same
 direct-exchange count from the layout), and ``vs_flat`` (a ``topology=auto`` config's
 time against the same config with ``topology=flat``).
-The two-level targets at 2 x 2 over 100 Mbit/s, 8 bits, 8 MiB per rank: two-level
-reduce-scatter >= 1.6x faster than flat, all-gather >= 1.3x, error no worse than
-flat's (:func:`topology_lines`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import socket
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,7 +83,8 @@ from .link import (
     node_layout,
     parse_rate,
     pin_this_rank,
-    run_ranks,
+    run_spec,
+    worker_done,
 )
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
@@ -97,15 +95,6 @@ NODE_CONFIGS = ("exact", "bits=8,topology=flat", "bits=8,topology=auto")  # with
 BASELINES = ("exact", "bf16")  # torch's own calls, not qcomm configs
 PHASES = ("quant", "xfer", "dequant")  # qcomm's steps, timed on their own
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# The flat target: at >= 16 MiB over a slow link, speedup >= 0.9 x compression ratio.
-TARGET_MIN_BYTES = 16 << 20
-TARGET_FRACTION = 0.9
-# The two-level targets: two-level (auto) over flat at 2 x 2, 8 bits, >= 8 MiB per rank.
-TOPOLOGY_TARGETS = {"reduce_scatter": 1.6, "all_gather": 1.3}
-TOPOLOGY_MIN_RANK_BYTES = 8 << 20
-# "error no worse than flat's": stochastic rounding's error norm varies ~1/sqrt(n)
-# from seed to seed (far under 1% at these sizes); 2% keeps a coin flip from failing it.
-TOPOLOGY_ERR_SLACK = 1.02
 
 
 def parse_config(text: str) -> tuple[str, dict[str, str]]:
@@ -356,7 +345,7 @@ def _compare(point: list[dict]) -> None:
 
 @torch.no_grad()  # as the collectives run: the compiled codec recompiles on grad mode
 def worker(spec: dict) -> None:
-    """One rank: run the sweep; rank 0 writes the rows to ``spec["result"]``."""
+    """One rank: run the sweep; rank 0's result is the rows (:func:`worker_done`)."""
     import torch.distributed as dist
 
     import qcomm
@@ -406,17 +395,7 @@ def worker(spec: dict) -> None:
     hosts = [None] * world  # what each rank saw: its hostname and node id
     dist.all_gather_object(hosts, {"hostname": socket.gethostname(),
                                    "node": os.environ.get("QCOMM_NODE")}, group=group)
-    if rank == 0:
-        Path(spec["result"]).write_text(json.dumps({"rows": rows, "hosts": hosts}))
-    dist.destroy_process_group()
-    # This process exists only to run this; its results are written. Leave without the
-    # interpreter's teardown: about one run in six of the 2-rank --link test aborted
-    # there ("terminate called without an active exception", exit -6: a C++ thread of
-    # torch's still joinable at exit), after everything had completed; 8 of 8 clean
-    # with this.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    worker_done(spec, rank, {"rows": rows, "hosts": hosts} if rank == 0 else None)
 
 
 # --------------------------------------------------------------------------- driver
@@ -438,98 +417,6 @@ def columns(phases: bool, *, topology: bool = False, rounds: int = 1) -> list[Co
     if phases:
         cols += [Column(f"{k}_us", f"{k}(us)", "{:.1f}") for k in (*PHASES, "other")]
     return cols
-
-
-def target_lines(rows: list[dict]) -> list[str]:
-    """The flat target per compressed qcomm row on a shaped link: speedup >= 0.9 x ratio
-    at >= 16 MiB (on loopback the same lines, not judged), with where the time went."""
-    lines = []
-    for row in rows:
-        if (row["size"] >= TARGET_MIN_BYTES and row.get("speedup") and row.get("compressed")
-                and not row.get("two_level")):  # two-level: topology_lines
-            frac = row["speedup"] / row["ratio"]
-            where = ""
-            if "quant_us" in row:
-                where = "; " + ", ".join(f"{k} {row[f'{k}_us'] / 1e3:.1f} ms"
-                                         for k in (*PHASES, "other"))
-                where += f" of {row['time_us'] / 1e3:.1f} ms"
-            hidden = ""
-            if "quant_us" in row and row["xfer_us"]:
-                # the codec hidden behind the wire, call <= 1.15 max(codec, xfer)
-                codec = row["quant_us"] + row["dequant_us"]
-                bound = row["time_us"] / max(codec, row["xfer_us"])
-                ok = "met" if bound <= OVERLAP_BOUND else "short"
-                if row["link"] == "loopback":
-                    ok = "not judged on loopback"
-                # the fastest call beside it (not judged): where the median is this VM's
-                # stalls and not the pipeline, the fastest call is near the bound
-                best = row["best_us"] / max(codec, row["xfer_us"])
-                hidden = (f"; time / max(codec {codec / 1e3:.1f}, xfer "
-                          f"{row['xfer_us'] / 1e3:.1f} ms) = {bound:.2f} (<= {OVERLAP_BOUND}: "
-                          f"{ok}); fastest call {row['best_us'] / 1e3:.1f} ms = {best:.2f}")
-            lines.append(
-                f"# {row['link']:>8} {row['collective']:14s} {common.human_bytes(row['size']):>9} "
-                f"{row['variant']}: speedup {row['speedup']:.2f}x / ratio {row['ratio']:.2f}x = "
-                f"{frac:.2f} ({verdict(frac, row['link'])}){where}{hidden}")
-    return lines
-
-
-OVERLAP_BOUND = 1.15  # a compressed call <= 1.15 x max(codec time, transfer time)
-
-
-def verdict(frac: float, link: str) -> str:
-    if link == "loopback":
-        return "not judged on loopback"
-    return "met" if frac >= TARGET_FRACTION else "short"
-
-
-def _unjudged(row: dict) -> str | None:
-    """Why the two-level targets do not apply to ``row`` (None: they do)."""
-    layout = row.get("layout") or ""
-    nodes, _, per = layout.partition("x")
-    if row["link"] == "loopback":
-        return "not judged on loopback"
-    if not per or int(nodes) < 2 or int(per.split("-")[0]) < 2:
-        return "not judged: needs --nodes 2 --ranks-per-node >= 2"
-    if row["bits"] != 8:
-        return "not judged: targets are at 8 bits"
-    if row["rank_bytes"] < TOPOLOGY_MIN_RANK_BYTES:
-        return f"not judged under {common.human_bytes(TOPOLOGY_MIN_RANK_BYTES)} per rank"
-    return None
-
-
-def topology_lines(rows: list[dict]) -> list[str]:
-    """The two-level targets, per point that has a ``topology=auto`` config and its
-    ``topology=flat`` twin: auto's time over flat's (reduce-scatter >= 1.6x, all-gather
-    >= 1.3x), its error no worse than flat's (within 2%), and the inter-node bytes of
-    both, judged at 2 x 2 on a shaped link, 8 bits, >= 8 MiB per rank (else the same
-    lines, not judged)."""
-    by = {(r["collective"], r["size"], r["variant"]): r for r in rows}
-    lines = []
-    for auto in rows:
-        flat = by.get((auto["collective"], auto["size"], common.flat_twin(auto["variant"])))
-        if flat is None:
-            continue
-        why = _unjudged(auto)
-        target = TOPOLOGY_TARGETS.get(auto["collective"])
-        faster = flat["time_us"] / auto["time_us"]
-        time_verdict = "no target" if target is None else (
-            why or ("met" if faster >= target else "short"))
-        err_ok = auto["rel_err"] <= flat["rel_err"] * TOPOLOGY_ERR_SLACK
-        err_verdict = why or ("met" if err_ok else "short")
-        spread = ""
-        if auto.get("rounds", 1) > 1:
-            spread = (f", spread {auto['spread']:.0%} / {flat['spread']:.0%} over "
-                      f"{auto['rounds']} rounds")
-        lines.append(
-            f"# {auto['link']:>8} {auto.get('layout') or ''} {auto['collective']:14s} "
-            f"{common.human_bytes(auto['size']):>9} ({common.human_bytes(auto['rank_bytes'])}"
-            f"/rank) {auto['variant']} vs {flat['variant']}: {faster:.2f}x faster"
-            + (f" (target >= {target}x: {time_verdict})" if target else " (no target)")
-            + f", rel_err {auto['rel_err']:.2e} vs {flat['rel_err']:.2e} (no worse: "
-            f"{err_verdict}), inter-node {common.human_bytes(auto['inter'])} vs "
-            f"{common.human_bytes(flat['inter'])} per call and rank{spread}")
-    return lines
 
 
 def plot_busbw(folder: Path, stem: str, rows: list[dict], header: dict):
@@ -605,25 +492,14 @@ def run_one(args, rate: str | None) -> Path:
                        "budget_s": args.budget, "world": args.world, "dtype": args.dtype,
                        "rounds": args.rounds}
     print(common.format_header(header), flush=True)
-    with tempfile.TemporaryDirectory(prefix="qcomm-bench-") as tmp:
-        spec = {"sizes": args.sizes, "collectives": args.collectives,
-                "configs": args.config, "iters": args.iters, "warmup": args.warmup,
-                "budget": args.budget, "dtype": args.dtype, "phases": not args.no_phases,
-                "backend": args.backend, "rounds": args.rounds, "nodes": nodes,
-                "layout": layout, "link": tag, "op_timeout": args.op_timeout,
-                "result": str(Path(tmp) / "rows.json")}
-        spec_path = Path(tmp) / "spec.json"
-        spec_path.write_text(json.dumps(spec))
-        argv = ["-m", "bench.collectives", "--worker", str(spec_path)]
-        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(common.ROOT),
-                                                           os.environ.get("PYTHONPATH")]))}
-        if rate is None:
-            run_ranks(argv, args.world, nodes=nodes, timeout_s=args.timeout, env=env)
-        else:
-            with ShapedLink(rate) as link:
-                run_ranks(argv, args.world, link=link, nodes=nodes, timeout_s=args.timeout,
-                          env=env)
-        result = json.loads(Path(spec["result"]).read_text())
+    spec = {"sizes": args.sizes, "collectives": args.collectives,
+            "configs": args.config, "iters": args.iters, "warmup": args.warmup,
+            "budget": args.budget, "dtype": args.dtype, "phases": not args.no_phases,
+            "backend": args.backend, "rounds": args.rounds, "nodes": nodes,
+            "layout": layout, "link": tag, "op_timeout": args.op_timeout}
+    with ShapedLink(rate) if rate else contextlib.nullcontext() as link:
+        result = run_spec("bench.collectives", spec, args.world, timeout_s=args.timeout,
+                          link=link, nodes=nodes)[0]
     rows, header["ranks"] = result["rows"], result["hosts"]
     print("# ranks (node@hostname): " + ", ".join(
         f"{r} {h['node']}@{h['hostname']}" for r, h in enumerate(header["ranks"])))
@@ -637,8 +513,6 @@ def run_one(args, rate: str | None) -> Path:
         print(common.format_table(cols, [r for r in rows if r["collective"] == coll]))
     common.write_results(folder, stem, header, cols, rows)
     print(f"# wrote {folder}/{stem}.json, .csv", file=sys.stderr)
-    for line in target_lines(rows) + topology_lines(rows):
-        print(line)
     if not args.no_plot and plot_busbw(folder, stem, rows, header):
         print(f"# wrote {folder}/{stem}.png", file=sys.stderr)
     return folder

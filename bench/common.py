@@ -62,33 +62,31 @@ def time_calls(
     return times
 
 
-def plan_iters(estimate_s: float, iters: int, budget_s: float | None, min_iters: int = 3) -> int:
-    """``iters`` timed calls, or fewer (never under ``min_iters``) to fit ``budget_s``."""
+def plan_iters(estimate_s: float, iters: int, budget_s: float | None) -> int:
+    """``iters`` timed calls, or fewer (never under 3) to fit ``budget_s``."""
     if budget_s is None or estimate_s <= 0:
         return iters
-    return max(min(min_iters, iters), min(iters, int(budget_s / estimate_s)))
+    return max(min(3, iters), min(iters, int(budget_s / estimate_s)))
 
 
 def measure(
     fn: Callable[[], object],
     *,
     iters: int = 10,
-    warmup: int = 1,
     budget_s: float | None = None,
-    sync: Callable[[], None] = lambda: None,
-    cuda: bool = False,
+    device: torch.device | str = "cpu",
 ) -> float:
-    """Median seconds per call of ``fn`` after ``warmup`` untimed calls; on CUDA
-    (``cuda=True``) through ``triton.testing.do_bench`` (CUDA events, L2 flushed)."""
-    if cuda:
+    """Median seconds per call of ``fn`` after an untimed call; on a CUDA ``device``
+    through ``triton.testing.do_bench`` (CUDA events, L2 flushed)."""
+    if torch.device(device).type == "cuda":
         import triton.testing
 
         # 100 ms of repetitions at most: a full GPU sweep has ~1,400 points.
         rep_ms = 1000 * min(budget_s, 0.1) if budget_s else 100
         return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") / 1e3
-    warm = time_calls(fn, max(warmup, 1), sync=sync)
+    warm = time_calls(fn, 1)
     n = plan_iters(min(warm), iters, budget_s)
-    return statistics.median(time_calls(fn, n, sync=sync))
+    return statistics.median(time_calls(fn, n))
 
 
 def gbps(nbytes: float, seconds: float) -> float:
@@ -411,13 +409,12 @@ def plot_lines(
     xlabel: str,
     ylabel: str,
     suptitle: str,
-    logx: bool = True,
     logy: bool = False,
     hline: float | None = None,
     ncols: int | None = None,
 ) -> Path | None:
     """One subplot per panel (``ncols`` to a row), one line per series
-    ``{label: (xs, ys)}``; None without matplotlib."""
+    ``{label: (xs, ys)}``, x on a log scale; None without matplotlib."""
     if not have_matplotlib() or not panels:
         return None
     import matplotlib
@@ -433,8 +430,7 @@ def plot_lines(
     for ax, (title, series) in zip(axes.flat, panels.items(), strict=False):
         for label, (xs, ys) in series.items():
             ax.plot(xs, ys, marker="o", markersize=3, label=label)
-        if logx:
-            ax.set_xscale("log", base=2)
+        ax.set_xscale("log", base=2)
         if logy:
             ax.set_yscale("log")
         if hline is not None:

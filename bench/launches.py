@@ -33,7 +33,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -41,7 +40,7 @@ import torch
 from . import common
 from .common import Column
 from .link import pin_this_rank, run_spec, worker_done
-from .memory import cuda_backend
+from .memory import cuda_backend, rank_device
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 
@@ -96,14 +95,7 @@ def _point(fn, device: torch.device, iters: int, sync, dist, codec) -> dict:
     before = collections.Counter(codec.calls)
     got = _launches(fn, device)
     got["codec"] = sum((codec.calls - before).values())
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
+    times = common.time_calls(fn, iters, sync=sync, before=dist.barrier)
     med = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     return {"time_us": med.item() * 1e6, **got}
@@ -118,13 +110,8 @@ def worker(spec: dict) -> None:
 
     pin_this_rank()
     world = int(os.environ["WORLD_SIZE"])
-    on_cuda = spec["device"] == "cuda"
-    if on_cuda:
-        device = torch.device("cuda", int(os.environ["RANK"]) % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        backend = cuda_backend(world)
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    device = rank_device(spec["device"])
+    backend = cuda_backend(world) if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, **({"device_id": device} if backend == "nccl" else {}))
     rank = dist.get_rank()
     q = qcomm.QuantConfig(bits=spec["bits"])

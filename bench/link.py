@@ -115,12 +115,11 @@ def _raise_signal(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def link_shaping(rate: str, nodes: list[int] | None = None) -> dict:
+def link_shaping(rate: str, nodes: list[int]) -> dict:
     """What a :class:`ShapedLink` of ``rate`` sets up (for the run header); ``nodes``:
-    each rank's node (namespace a is node 0), default the first half of the ranks on a."""
+    each rank's node (namespace a is node 0)."""
     _, bits = parse_rate(rate)
-    ranks = "first half on a" if nodes is None else {
-        "ab"[n]: [r for r, m in enumerate(nodes) if m == n] for n in sorted(set(nodes))}
+    ranks = {"ab"[n]: [r for r, m in enumerate(nodes) if m == n] for n in sorted(set(nodes))}
     return {"rate_bit_s": bits, "qdisc": "tbf", "burst_bytes": _burst(bits),
             "latency": TBF_LATENCY, "addresses": list(ADDRS), "ranks": ranks}
 
@@ -138,13 +137,12 @@ class ShapedLink:
 
     def __init__(self, rate: str):
         if rate == UNSHAPED:
-            self.rate, self.bits_per_s, self.burst_bytes = None, None, None
+            self.rate = self.burst_bytes = None
         else:
             parsed = parse_rate(rate)
             if parsed is None:
                 raise ValueError("ShapedLink needs a rate; run on loopback without one")
-            self.rate, self.bits_per_s = parsed
-            self.burst_bytes = _burst(self.bits_per_s)
+            self.rate, self.burst_bytes = parsed[0], _burst(parsed[1])
         tag = f"qcb{os.getpid()}"
         self.hosts = (Host(f"{tag}a", "qva", ADDRS[0], f"{tag}a"),
                       Host(f"{tag}b", "qvb", ADDRS[1], f"{tag}b"))
@@ -197,22 +195,14 @@ class ShapedLink:
     def __exit__(self, *exc) -> None:
         self.teardown()
 
-    def host_of(self, rank: int, world: int) -> Host:
-        """The first half of the ranks on host a, the rest on host b."""
-        return self.hosts[halves(world)[rank]]
-
-
-def halves(world: int) -> list[int]:
-    """Each rank's node when ``world`` ranks are split over two hosts: the first half on
-    node 0 (host a), the rest on node 1."""
-    return [0 if rank < (world + 1) // 2 else 1 for rank in range(world)]
-
 
 def default_nodes(world: int, linked: bool) -> list[int]:
-    """Each rank's node without ``--nodes``: the two halves behind a link, else each
-    rank a node of its own (one-level qcomm groups: what the benchmarks measured before
-    qcomm knew of nodes)."""
-    return halves(world) if linked else list(range(world))
+    """Each rank's node without ``--nodes``: behind a link the first half of the ranks
+    on node 0 (host a), the rest on node 1; else each rank a node of its own (one-level
+    qcomm groups: what the benchmarks measured before qcomm knew of nodes)."""
+    if not linked:
+        return list(range(world))
+    return [0 if rank < (world + 1) // 2 else 1 for rank in range(world)]
 
 
 RANK_ORDERS = ("node-major", "round-robin")
@@ -370,11 +360,12 @@ def run_ranks(argv: list[str], world: int, *, link: ShapedLink | None = None,
 
 
 def run_spec(module: str, spec: dict, world: int, *, timeout_s: float,
-             env: dict | None = None, link: ShapedLink | None = None) -> list:
+             env: dict | None = None, link: ShapedLink | None = None,
+             nodes: list[int] | None = None) -> list:
     """Run ``python -m module --worker SPEC`` as ``world`` ranks on loopback (or behind
-    ``link``), ``spec`` (a dict, JSON) handed over in a file with ``spec["result"]`` set,
-    the repository on their path; returns each rank's result, what it gave
-    :func:`worker_done`."""
+    ``link``; ``nodes`` as :func:`run_ranks`), ``spec`` (a dict, JSON) handed over in a
+    file with ``spec["result"]`` set, the repository on their path; returns each rank's
+    result, what it gave :func:`worker_done`."""
     import json
 
     root = str(Path(__file__).resolve().parents[1])
@@ -384,7 +375,7 @@ def run_spec(module: str, spec: dict, world: int, *, timeout_s: float,
         spec = {**spec, "result": str(Path(tmp) / "rank")}
         path = Path(tmp) / "spec.json"
         path.write_text(json.dumps(spec))
-        run_ranks(["-m", module, "--worker", str(path)], world, link=link,
+        run_ranks(["-m", module, "--worker", str(path)], world, link=link, nodes=nodes,
                   timeout_s=timeout_s, env=env)
         return [json.loads(Path(spec["result"] + str(r)).read_text()) for r in range(world)]
 

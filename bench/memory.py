@@ -90,6 +90,16 @@ def cuda_backend(world: int) -> str:
     return "nccl" if world <= torch.cuda.device_count() else "gloo"
 
 
+def rank_device(kind: str) -> torch.device:
+    """This rank's device: for ``cuda`` a GPU by its rank (round the GPUs), made the
+    current one; else the CPU."""
+    if kind != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ["RANK"]) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
 def worker(spec: dict) -> None:
     """One variant on this rank; its row goes back through :func:`worker_done`."""
     import torch.distributed as dist
@@ -101,11 +111,7 @@ def worker(spec: dict) -> None:
     name = spec["name"]
     on_cuda = spec["device"] == "cuda"
     exact = cuda_backend(int(os.environ["WORLD_SIZE"])) if on_cuda else "gloo"
-    if on_cuda:
-        device = torch.device("cuda", int(os.environ["RANK"]) % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = rank_device(spec["device"])
     dist.init_process_group(exact if name == "exact" else "qcomm")
     rank = dist.get_rank()
     width = spec["width"]

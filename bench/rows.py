@@ -30,6 +30,7 @@ The per-payload way is what the collectives ran before the row calls (commit 91d
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import torch
@@ -152,8 +153,8 @@ def _counted(fn) -> tuple[int, int]:
 def run(args) -> list[dict]:
     device = torch.device(args.device)
     q = QuantConfig(bits=args.bits, scheme=args.scheme)
-    timeit = lambda fn: common.measure(fn, iters=args.iters, budget_s=args.budget,  # noqa: E731
-                                       sync=common.sync_fn(device), cuda=device.type == "cuda")
+    timeit = functools.partial(common.measure, iters=args.iters, budget_s=args.budget,
+                               device=device)
     rows = []
     copies: dict[int, float] = {}  # bytes moved -> seconds of a same-run copy
     for op in args.ops:

@@ -38,9 +38,7 @@ then ``exact``, ``bits=8,topology=flat`` and ``bits=8,topology=auto``::
 Per run, besides the below: bytes per step that crossed to other nodes and stayed
 inside the node (qcomm.stats' ``inter_node_bytes`` / ``intra_node_bytes`` over every
 group the run used, averaged over the ranks); the summary's ``vs_flat`` is a
-``topology=auto`` config's step time against the same config's with ``topology=flat``,
-and the two-level FSDP2 target (auto faster than flat, both faster than exact, held-out
-loss within the noise of exact) is printed per mode (:func:`topology_lines`).
+``topology=auto`` config's step time against the same config's with ``topology=flat``.
 
 Ranks: started here (``--world``, loopback or ``--link``), or torchrun's (``torchrun
 --nproc-per-node 2 -m bench train``: every run in those processes, one process group
@@ -69,7 +67,6 @@ import os
 import statistics
 import sys
 import sysconfig
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -89,7 +86,7 @@ from .link import (
     node_layout,
     parse_rate,
     pin_this_rank,
-    run_ranks,
+    run_spec,
 )
 
 CONFIGS = ("exact", "bits=8", "ag_bits=4,rs_bits=8", "bits=4", "bits=4,scheme=nuq",
@@ -278,7 +275,8 @@ def _time_local_step(cfg: GPTConfig, batch: int, reps: int) -> float:
 
 def worker(spec: dict) -> dict:
     """One run on this rank (a process group of its own, from the QCOMM_* environment);
-    returns its row, also written to ``spec["result"]`` by rank 0 when given."""
+    returns its row, also written for :func:`bench.link.run_spec` when
+    ``spec["result"]`` is given."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -374,8 +372,8 @@ def worker(spec: dict) -> dict:
            "logical_bytes_per_step": logical, "inter_bytes_per_step": inter,
            "intra_bytes_per_step": intra, "mode": spec.get("mode", "fsdp2"),
            "layout": spec.get("layout"), "link": spec["link"]}
-    if rank == 0 and spec.get("result"):
-        Path(spec["result"]).write_text(json.dumps(row))
+    if spec.get("result"):
+        Path(spec["result"] + str(rank)).write_text(json.dumps(row))
     dist.barrier()
     dist.destroy_process_group()
     return row
@@ -440,27 +438,21 @@ def _environ(changes: dict):
 
 def run_variant(args, name: str, env: dict, seed: int, link, mode: str = "fsdp2") -> dict:
     """One run of config ``name`` (``env``: its QCOMM_* variables)."""
-    with tempfile.TemporaryDirectory(prefix="qcomm-train-") as tmp:
-        spec = {"name": name, "data_seed": seed, "model": asdict(args.model), "mode": mode,
-                "mesh": args.mesh, "layout": args.layout,
-                "batch": args.batch, "steps": args.steps, "lr": args.lr,
-                "warmup": max(1, args.steps // 20), "warmup_steps": min(5, args.steps - 1),
-                "eval_every": args.eval_every, "eval_windows": args.eval_windows,
-                "op_timeout": args.op_timeout, "link": args.link_name,
-                "limit_bytes": args.limit_bytes, "result": str(Path(tmp) / "row.json")}
-        if under_torchrun():
-            spec["result"], spec["torchrun_run"] = None, args.runs_started
-            args.runs_started += 1
-            with _environ(dict(env, QCOMM_SEED=str(seed))):
-                return worker(spec)
-        spec_path = Path(tmp) / "spec.json"
-        spec_path.write_text(json.dumps(spec))
-        env = dict(env, QCOMM_SEED=str(seed),
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(common.ROOT),
-                                                            os.environ.get("PYTHONPATH")])))
-        run_ranks(["-m", "bench.train", "--worker", str(spec_path)], args.world,
-                  link=link, nodes=args.node_of_rank, timeout_s=args.timeout, env=env)
-        return json.loads(Path(spec["result"]).read_text())
+    spec = {"name": name, "data_seed": seed, "model": asdict(args.model), "mode": mode,
+            "mesh": args.mesh, "layout": args.layout,
+            "batch": args.batch, "steps": args.steps, "lr": args.lr,
+            "warmup": max(1, args.steps // 20), "warmup_steps": min(5, args.steps - 1),
+            "eval_every": args.eval_every, "eval_windows": args.eval_windows,
+            "op_timeout": args.op_timeout, "link": args.link_name,
+            "limit_bytes": args.limit_bytes}
+    env = dict(env, QCOMM_SEED=str(seed))
+    if under_torchrun():
+        spec["torchrun_run"] = args.runs_started
+        args.runs_started += 1
+        with _environ(env):
+            return worker(spec)
+    return run_spec("bench.train", spec, args.world, timeout_s=args.timeout, env=env,
+                    link=link, nodes=args.node_of_rank)[0]
 
 
 def summarize(rows: list[dict]) -> tuple[list[dict], list[str]]:
@@ -531,49 +523,6 @@ def _summarize_mode(rows: list[dict]) -> tuple[list[dict], list[str]]:
         lines.append(f"# exact bytes on the wire per step: {base_wire / 1e6:.2f} MB; FSDP2 bf16 "
                      f"mixed precision would send half: {base_wire / 2e6:.2f} MB")
     return out, lines
-
-
-def topology_lines(summary: list[dict], link: str, layout: str | None) -> list[str]:
-    """The two-level training target per mode and ``-auto`` variant with a ``-flat`` twin
-    and an exact baseline: auto faster than flat, both faster than exact, held-out loss
-    within the noise of exact (not significant at 95% over paired seeds). Judged for
-    FSDP2 at P >= 2 ranks per node on a shaped link (HSDP: the same line, no target)."""
-    lines = []
-    for auto in summary:
-        mode = auto.get("mode", "fsdp2")
-        same = {s["variant"]: s for s in summary if s.get("mode", "fsdp2") == mode}
-        flat, base = same.get(common.flat_twin(auto["variant"])), same.get("exact")
-        if flat is None or base is None:
-            continue
-        per = int(layout.split("x")[1].split("-")[0]) if layout else 1
-        why = ("not judged on loopback" if link in ("loopback", "torchrun") else
-               "not judged: needs --nodes 2 --ranks-per-node >= 2" if per < 2 else None)
-        if "significant_95" in auto:
-            noise = "met" if not auto["significant_95"] else "short"
-        else:
-            noise = "not judged: one seed (--seeds 0,1,2)"
-        verdicts = (["met" if auto["step_s"] < flat["step_s"] else "short",
-                     "met" if max(auto["step_s"], flat["step_s"]) < base["step_s"] else "short",
-                     noise])
-        if mode != "fsdp2" or why:
-            verdicts = [None] * 3
-
-        def judged(text: str, verdict: str | None) -> str:
-            return f"{text}: {verdict}" if verdict else f"{text}?"
-
-        lines.append(
-            f"# {mode} {auto['variant']}: step {auto['step_s']:.3f} s vs {flat['variant']} "
-            f"{flat['step_s']:.3f} s ({auto['vs_flat']:.2f}x; "
-            f"{judged('auto faster', verdicts[0])}), exact {base['step_s']:.3f} s "
-            f"({judged('both faster', verdicts[1])}); held-out loss vs exact "
-            f"{auto.get('paired_diff_pct', float('nan')):+.2f}% "
-            f"({judged('within noise', verdicts[2])}); inter-node "
-            f"{auto.get('inter_mb_per_step', float('nan')):.2f} vs "
-            f"{flat.get('inter_mb_per_step', float('nan')):.2f} vs "
-            f"{base.get('inter_mb_per_step', float('nan')):.2f} MB per step and rank"
-            + (" (no target: only FSDP2 has one)" if mode != "fsdp2" else
-               f" ({why})" if why else ""))
-    return lines
 
 
 # Two-sided 95% Student t critical values for 1..10 degrees of freedom (then ~normal).
@@ -749,7 +698,7 @@ def _main(args, parsed, lead: bool) -> int:
     folder = common.results_dir(args.out, header)
     stem = f"train-{args.link_name}" + (f"-{args.layout}" if args.layout else "")
     print(common.format_table(SUMMARY_COLUMNS, summary))
-    for line in lines + topology_lines(summary, args.link_name, args.layout):
+    for line in lines:
         print(line)
     common.write_results(folder, stem, header, SUMMARY_COLUMNS, summary)
     (folder / f"{stem}-runs.json").write_text(json.dumps({"header": header, "runs": rows},

@@ -16,10 +16,9 @@ Per row, both hosts summed:
 - ``logical/iface``: the bytes the exact collectives would send under a direct exchange
   (qcomm.stats' ``logical_bytes``) over what the interfaces sent: the true ratio;
 - ``codec``: the codec's own ratio at the config's (first compressed collective's)
-  quantization (fp32 over the payload of a 2^20-element tensor); the target is
-  ``logical/iface >= 0.9 codec``;
-- ``stats/iface``: qcomm.stats' ``wire_bytes`` over the interfaces' bytes (target within
-  5%).
+  quantization (fp32 over the payload of a 2^20-element tensor); ``of codec``:
+  ``logical/iface`` over ``codec``;
+- ``stats/iface``: qcomm.stats' ``wire_bytes`` over the interfaces' bytes.
 
     python -m bench wire                     # unshaped, 10 steps, both models
     python -m bench wire --link 100mbit      # the same behind a shaped link
@@ -192,14 +191,6 @@ def main(args) -> int:
         return 2
     rows = summarize(per_rank)
     common.report("wire", header, COLUMNS, rows, args.out, f"wire-{args.link}")
-    for r in rows:
-        if r["variant"] == "exact":
-            continue
-        met = r["of_codec"] >= 0.9 and abs(r["stats_vs_iface"] - 1) <= 0.05
-        print(f"#  {r['model']} {r['variant']}: {r['ratio']:.2f}x fewer bytes than the exact "
-              f"calls ({r['of_codec']:.2f} of the codec's {r['codec']:.2f}x; target >= 0.9), "
-              f"stats {r['stats_vs_iface']:.3f} of the interface (target 0.95-1.05): "
-              f"{'met' if met else 'short'}")
     return 0
 
 

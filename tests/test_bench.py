@@ -150,7 +150,7 @@ def test_codec(tmp_path, capsys):
         assert r["torch_gbps"] > 0 and r["eager_frac"] > 0
         assert "triton_us" not in r  # no CUDA here: the interpreter is not a speed path
     out = capsys.readouterr().out
-    assert "torch/memcpy" in out and "target is not judged" in out
+    assert "torch/memcpy" in out
     assert header["command"].startswith("python -m bench codec --sizes 1000,4096")
     assert (tmp_path / "codec.png").exists() == common.have_matplotlib()
 
@@ -184,16 +184,6 @@ def test_collectives_loopback(tmp_path, capsys):
     assert {r["bits"] for r in rows if r["variant"].startswith("bits=")} == {8, 4, 2}
     out = capsys.readouterr().out
     assert "busbw(GB/s)" in out and "all_reduce" in out
-
-
-def test_target_line_judges_the_median_and_shows_the_fastest_call():
-    row = {"variant": "bits=2", "size": 1 << 25, "speedup": 12.8, "ratio": 15.5,
-           "compressed": True, "two_level": False, "link": "1gbit", "collective": "all_gather",
-           "time_us": 17400.0, "best_us": 10500.0, "quant_us": 4000.0, "xfer_us": 10500.0,
-           "dequant_us": 3000.0, "other_us": 0.0}
-    (line,) = collectives.target_lines([row])
-    assert "= 1.66 (<= 1.15: short)" in line  # the median call, 17.4 / 10.5
-    assert line.endswith("fastest call 10.5 ms = 1.00")
 
 
 def test_link_needs_root(monkeypatch, tmp_path, capsys):
@@ -316,25 +306,6 @@ def test_node_flags(capsys):
         main(["train", "--mode", "ddp"])
 
 
-def test_topology_lines():
-    def row(variant, t, err, inter, size=32 << 20, link_="100mbit"):
-        return {"collective": "reduce_scatter", "variant": variant, "size": size,
-                "rank_bytes": size // 4, "bits": 8, "time_us": t,
-                "rel_err": err, "inter": inter, "link": link_, "layout": "2x2"}
-
-    FLAT, AUTO = "bits=8,topology=flat", "bits=8,topology=auto"
-    lines = collectives.topology_lines([row(FLAT, 2000, 0.010, 4e6), row(AUTO, 1000, 0.0101, 2e6),
-                                        row("bits=4,topology=auto", 900, 0.02, 1e6)])
-    assert len(lines) == 1 and "2.00x faster (target >= 1.6x: met)" in lines[0]
-    assert "(no worse: met)" in lines[0]
-    short = collectives.topology_lines([row(FLAT, 1500, 0.010, 4e6),
-                                        row(AUTO, 1000, 0.012, 2e6)])[0]
-    assert "target >= 1.6x: short" in short and "(no worse: short)" in short
-    small = collectives.topology_lines([row(FLAT, 2000, 0.01, 4e6, size=1 << 20),
-                                        row(AUTO, 1000, 0.01, 2e6, size=1 << 20)])[0]
-    assert "not judged under 8.0 MiB per rank" in small
-
-
 @pytest.mark.skipif(not common.have_matplotlib(), reason="plots need matplotlib")
 def test_speedup_plot(tmp_path):
     header = common.run_header("collectives", device="cpu")
@@ -392,7 +363,7 @@ def test_collectives_nodes_shaped_link(tmp_path, capsys):
     if shutil.which("unshare"):  # a UTS namespace per rank, the node's name in each
         assert names[0] == names[1] != names[2] == names[3]
     out = capsys.readouterr().out
-    assert "bits=8,topology=auto vs bits=8,topology=flat" in out and "vs_flat" in out
+    assert "vs_flat" in out
 
 
 @pytest.mark.slow
