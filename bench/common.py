@@ -270,7 +270,7 @@ def _git_commit() -> str | None:
 
 def run_header(what: str, *, device: str, link: str | None = None,
                command: str | None = None) -> dict:
-    """The facts every result carries: device, versions, link, command, time."""
+    """The facts every result carries: device, machine, versions, link, command, time."""
     import qcomm
 
     cores = os.cpu_count()
@@ -278,7 +278,7 @@ def run_header(what: str, *, device: str, link: str | None = None,
         usable = len(os.sched_getaffinity(0))
     except AttributeError:
         usable = cores
-    return {
+    header = {
         "benchmark": what,
         "command": command or " ".join(["python", "-m", "bench", *sys.argv[1:]]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -301,6 +301,8 @@ def run_header(what: str, *, device: str, link: str | None = None,
             "qcomm_git": _git_commit(),
         },
     }
+    header["machine"] = machine_name(header)  # the results folder it belongs in
+    return header
 
 
 def start_local(what: str, args, sweep: dict) -> dict:

@@ -83,7 +83,7 @@ def problems(r: Result) -> list[str]:
         out.append(f"{where}: header has no commit")
     elif commit.endswith("-dirty"):
         out.append(f"{where}: made by a dirty tree that no diff hash names ({commit})")
-    machine = common.machine_name(h)
+    machine = h.get("machine") or common.machine_name(h)
     # headers written before the ISA field name the machine without it
     if r.machine != machine and not (r.machine.startswith(machine) and not h["cpu"].get("isa")):
         out.append(f"{where}: the header's machine is {machine}")
