@@ -39,6 +39,7 @@ class Result:
     header: dict
     columns: list[str]
     rows: list[dict]
+    png: bool = False  # a plot beside the file
 
     @property
     def anchor(self) -> str:
@@ -59,7 +60,8 @@ def load(folder: Path = common.RESULTS) -> list[Result]:
         if "rows" not in data and "results" in data:  # bench.torch_suite: a verdict per test
             data = {**data, **_suite_rows(data)}
         results.append(Result(path.parent.name, path.stem, data.get("header"),
-                              data.get("columns", []), data.get("rows", [])))
+                              data.get("columns", []), data.get("rows", []),
+                              path.with_suffix(".png").exists()))
     return results
 
 
@@ -234,6 +236,14 @@ How the benchmarks run: ranks are self-launched processes, one core each on thes
 machines; `--link RATE` puts hosts in network namespaces joined by a veth pair shaped by
 `tc tbf`, and `--nodes N --ranks-per-node R` makes each namespace a node of R ranks.
 Timings are medians of repeated calls; the codec's GB/s count the input tensor's bytes.
+
+A variant is named by its config in qcomm's keys (`bits=4,scheme=nuq`: the `QCOMM_*`
+variables, lower case) or `exact` (torch's own call). Files written before 2026-12-05 use
+the older spelling: `fp32`/`fsdp2` for exact, `qcommB` for B bits, `wAgB` for A-bit weights
+(all-gathers) and B-bit gradients (reduce-scatters), with `-nuq` the scheme, `-wn`/`-gn`
+rounding to nearest, `-wbN` the weights' bucket, `-wd` weight differences (`deltas=1`),
+`-ge` error feedback (`feedback=1`), `-wsN`/`-ws32`/`-wsd` their state (`state=`),
+`-flat`/`-auto` the topology, `-sync` `async=0`.
 """
 
 
@@ -251,6 +261,8 @@ def page(results: list[Result]) -> str:
             out.append(f"`{h['command']}`  \nqcomm {r.commit}, torch {h['versions']['torch']}, "
                        f"link {h.get('link', 'loopback')}, {h['date'][:10]}\n")
             out.append("\n".join(table(r)) + "\n")
+            if r.png:
+                out.append(f"![{r.name}](../bench/results/{r.machine}/{r.name}.png)\n")
     return "\n".join(out)
 
 
@@ -274,33 +286,34 @@ def _loss(rows):
 
 def _gather(rows):
     pair = [pick(rows, collective="all_gather", size=2**26, variant=v)["speedup"]
-            for v in ("qcomm8", "qcomm4")]
+            for v in ("bits=8", "bits=4")]
     return (f"**{pair[0]:.1f}x faster** 64 MiB all-gathers than gloo at 1 Gbit/s with "
             f"8 bits, {pair[1]:.1f}x with 4")
 
 
 def _memory(rows):
-    r = pick(rows, variant="w4g4-wd-wn-wb128")
+    r = pick(rows, variant="bits=4,ag_rounding=nearest,ag_bucket=128,deltas=1")
     return (f"**{r['over_mib']:+.0f} MiB** peak memory a rank for 4-bit weight differences, "
             f"{r['params'] / 1e6:.0f}M parameters")
 
 
+INTEL = "cpu-intel-r-xeon-r-processor-2c-avx512"
 # (machine, file, the line's words from the file's rows): at most six, each one line.
 HEADLINES: list[tuple[str, str, Callable[[list[dict]], str]]] = [
-    ("cpu-amd-epyc-2c-avx512", "wire-unshaped", lambda rows: (
-        f"**{pick(rows, model='demo', variant='qcomm8')['ratio']:.1f}x fewer bytes** sent "
-        f"for FSDP2 at 8 bits, {pick(rows, model='demo', variant='qcomm4')['ratio']:.1f}x "
+    (INTEL, "wire-unshaped", lambda rows: (
+        f"**{pick(rows, model='demo', variant='bits=8')['ratio']:.1f}x fewer bytes** sent "
+        f"for FSDP2 at 8 bits, {pick(rows, model='demo', variant='bits=4')['ratio']:.1f}x "
         "at 4, counted at the network interface")),
     ("cpu-amd-epyc-2c-avx512", "train-loopback-1200", _loss),
-    ("cpu-amd-epyc-2c-avx512", "train-100mbit-w8g8", lambda rows: (
-        f"**{pick(rows, variant='w8g8')['speedup']:.1f}x faster** FSDP2 steps than gloo at "
+    (INTEL, "train-100mbit", lambda rows: (
+        f"**{pick(rows, variant='bits=8')['speedup']:.1f}x faster** FSDP2 steps than gloo at "
         "100 Mbit/s with 8 bits")),
-    ("cpu-amd-epyc-2c-avx2", "collectives-1gbit", _gather),
-    ("cpu-intel-r-xeon-r-processor-2c-avx512", "train-100mbit-2x2", lambda rows: (
+    (INTEL, "collectives-1gbit", _gather),
+    (INTEL, "train-100mbit-2x2", lambda rows: (
         f"**2 nodes x 2 ranks**: FSDP2 "
         f"{pick(rows, mode='fsdp2', variant='w8g8-auto')['speedup']:.1f}x faster than gloo "
         "at 100 Mbit/s, exact inside a node")),
-    ("cpu-amd-epyc-2c-avx512", "memory", _memory),
+    (INTEL, "memory", _memory),
 ]
 
 
