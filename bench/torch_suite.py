@@ -17,7 +17,7 @@ suite gloo and makes every group it creates a qcomm one, so those run on qcomm t
     python -m bench.torch_suite                  # ~13 min on 2 cores
     python -m bench.torch_suite -k all_gather    # a narrower selection
 
-Writes ``bench/results/<machine>/torch-suite.{txt,json}``.
+Writes ``bench/results/<machine>/torch-suite.json`` (``python -m bench report`` shows it).
 """
 
 from __future__ import annotations
@@ -124,9 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     (folder / "torch-suite.json").write_text(json.dumps(
         {"header": header, "results": results, "seconds": seconds,
          "suite_skips": suite_skips, "differences": real}, indent=1))
-    (folder / "torch-suite.txt").write_text(common.format_header(header) + "\n" +
-                                            "\n".join(lines) + "\n")
-    print(f"# wrote {folder}/torch-suite.{{txt,json}}", file=sys.stderr)
+    print(f"# wrote {folder}/torch-suite.json", file=sys.stderr)
     return 1 if real else 0
 
 
