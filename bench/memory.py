@@ -11,8 +11,8 @@ whole model (a full CPU init would set the peak before training starts). Configs
 - ``exact``: plain FSDP2 on the gloo group (the reference);
 - ``bits=4,ag_rounding=nearest,ag_bucket=128``: qcomm's 4-bit all-gather and
   reduce-scatter, no state;
-- ``...,deltas=1,state=32``: with weight differences kept in fp32 (what qcomm.fsdp did
-  before: 4 bytes per unsharded parameter on every rank), ``deltas=1`` the default
+- ``...,deltas=1,state=32``: with weight differences kept in fp32 (4 bytes per unsharded
+  parameter on every rank), ``deltas=1`` the default
   8-bit state, ``state=dtype`` the parameters' dtype; ``feedback=1`` adds error
   feedback's residuals.
 
