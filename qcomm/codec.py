@@ -115,11 +115,11 @@ def _what(t) -> str:
 def codec_options(config: CommConfig, device: torch.device) -> dict:
     """The codec keywords of a group's calls on ``device`` (``impl``, ``warps``) from
     its config, read at group creation: on CPU the torch path compiled or eager as
-    ``config.compile`` says (named, so the environment's default does not apply), on
+    ``config.compiles()`` says (named: the config decides, not a later environment), on
     CUDA the Triton kernels with ``config.triton_warps`` warps per program."""
     if device.type == "cuda":
         return {"impl": None, "warps": config.triton_warps}
-    return {"impl": "torch" if config.compile else "eager", "warps": config.triton_warps}
+    return {"impl": "torch" if config.compiles() else "eager", "warps": config.triton_warps}
 
 
 def _select_impl(device: torch.device, impl: str | None, warps: int = 0) -> str:
@@ -127,7 +127,7 @@ def _select_impl(device: torch.device, impl: str | None, warps: int = 0) -> str:
         if device.type == "cuda":
             impl = "triton"
         else:
-            impl = "torch" if env_config().compile else "eager"
+            impl = "torch" if env_config().compiles() else "eager"
     elif impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
     if impl == "triton" and device.type != "cuda" and not triton_interpreted():

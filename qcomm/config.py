@@ -125,9 +125,11 @@ class CommConfig:
     # group's worker thread on CPU, its stream on CUDA) or completes first (False).
     asynchronous: bool = True
     # The codec's data path on CPU: True compiles the torch path (torch.compile, ~10-25 s
-    # at the first call of each signature), False runs it eagerly (slower per call).
-    # The same bytes either way; CUDA tensors take the Triton kernels regardless.
-    compile: bool = True
+    # at the first call of each signature), False runs it eagerly (slower per call), None
+    # as the process's QCOMM_COMPILE says (read once; unset: compiled), so a config
+    # built in code still honours the variable. The same bytes either way; CUDA tensors
+    # take the Triton kernels regardless.
+    compile: bool | None = None
     # Warps per Triton program: 0 picks by bucket size (qcomm.kernels.common.num_warps),
     # else one of WARPS (bench/device_check.sh compares settings). The same bytes.
     triton_warps: int = 0
@@ -155,8 +157,8 @@ class CommConfig:
             raise TypeError(f"CommConfig.asynchronous must be a bool, got {self.asynchronous!r}")
         if self.inner is not None and not isinstance(self.inner, str):
             raise TypeError(f"CommConfig.inner must be a backend name or None, got {self.inner!r}")
-        if not isinstance(self.compile, bool):
-            raise TypeError(f"CommConfig.compile must be a bool, got {self.compile!r}")
+        if self.compile is not None and not isinstance(self.compile, bool):
+            raise TypeError(f"CommConfig.compile must be a bool or None, got {self.compile!r}")
         if isinstance(self.triton_warps, bool) or not isinstance(self.triton_warps, int):
             raise TypeError(f"CommConfig.triton_warps must be an int, got {self.triton_warps!r}")
         if self.triton_warps and self.triton_warps not in WARPS:
@@ -170,7 +172,14 @@ class CommConfig:
         """What every rank of a group must hold alike: all but ``compile`` and
         ``triton_warps``, which choose how this rank computes the same bytes (a CPU rank
         and a GPU rank, or two GPU kinds tuned apart, may differ in them)."""
-        return replace(self, compile=True, triton_warps=0)
+        return replace(self, compile=None, triton_warps=0)
+
+    def compiles(self) -> bool:
+        """Whether this config's CPU codec runs compiled: ``compile``, or where it is None
+        the process's ``QCOMM_COMPILE`` (:func:`env_config`; unset: compiled)."""
+        if self.compile is not None:
+            return self.compile
+        return env_config().compile is not False
 
 
 # (variable suffix, QuantConfig field) of the codec settings the environment can set.

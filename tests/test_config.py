@@ -47,7 +47,7 @@ def test_codec_switches_are_part_of_the_config():
     reading of how Triton was started."""
     from qcomm import config
 
-    assert (CommConfig().compile, CommConfig().triton_warps) == (True, 0)
+    assert (CommConfig().compile, CommConfig().triton_warps) == (None, 0)
     assert comm_config_from_env({"QCOMM_COMPILE": "0"}).compile is False
     assert comm_config_from_env({"QCOMM_COMPILE": "1"}).compile is True
     assert comm_config_from_env({}, base=CommConfig(compile=False)).compile is False
@@ -59,7 +59,7 @@ def test_codec_switches_are_part_of_the_config():
         (name,) = env
         with pytest.raises(ValueError, match=f"{name}={env[name]!r}"):
             comm_config_from_env(env)
-    with pytest.raises(TypeError, match="CommConfig.compile must be a bool"):
+    with pytest.raises(TypeError, match="CommConfig.compile must be a bool or None"):
         CommConfig(compile=0)
     with pytest.raises(TypeError, match="CommConfig.triton_warps must be an int"):
         CommConfig(triton_warps="4")
@@ -81,7 +81,7 @@ def test_codec_options_and_the_direct_default(monkeypatch):
     from qcomm import codec, config
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert codec.codec_options(CommConfig(), cpu) == {"impl": "torch", "warps": 0}
+    assert codec.codec_options(CommConfig(compile=True), cpu) == {"impl": "torch", "warps": 0}
     assert codec.codec_options(CommConfig(compile=False), cpu) == {"impl": "eager", "warps": 0}
     assert codec.codec_options(CommConfig(compile=False, triton_warps=2), cuda) == {
         "impl": None, "warps": 2}
@@ -99,6 +99,11 @@ def test_codec_options_and_the_direct_default(monkeypatch):
         config.env_config.cache_clear()
         assert codec._select_impl(cpu, None) == "torch"
         assert codec._select_impl(cuda, None) == "triton"
+        # a config that leaves compile unset follows the process's variable, read once
+        monkeypatch.setenv("QCOMM_COMPILE", "0")
+        config.env_config.cache_clear()
+        assert codec.codec_options(CommConfig(), cpu)["impl"] == "eager"
+        assert codec.codec_options(CommConfig(compile=True), cpu)["impl"] == "torch"
     finally:
         config.env_config.cache_clear()
 
