@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from qcomm import constants as C
+from qcomm.layout import SCHEME_IDS
 
 
 # One program per bucket. Warps per program: one per 1024 elements, 1 to 8 (a 1024
@@ -22,6 +23,11 @@ from qcomm import constants as C
 def num_warps(bucket_size: int, warps: int = 0) -> int:
     return warps or max(1, min(8, bucket_size // 1024))
 
+
+# A kernel's SCHEME (qcomm.layout.SCHEME_IDS: the id the payload header carries).
+MINMAX = tl.constexpr(SCHEME_IDS["minmax"])
+MAXNORM = tl.constexpr(SCHEME_IDS["maxnorm"])
+NUQ = tl.constexpr(SCHEME_IDS["nuq"])
 
 # qcomm.constants as Triton constants. Globals must be constexpr *instances*: triton
 # 3.6 refuses the annotated form (``X: tl.constexpr = ...``) that later versions and the

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from qcomm.layout import effective_scheme_id, levels
 
-from .common import bucket_tile, load_unpack, tile_args
+from .common import MAXNORM, MINMAX, bucket_tile, load_unpack, tile_args
 
 
 @triton.jit
@@ -74,7 +74,7 @@ def decode_tile(meta_ptr, codes_ptr, bucket, row, rmask, BITS: tl.constexpr, R: 
                 WORD: tl.constexpr, SCHEME: tl.constexpr, LEVELS: tl.constexpr):
     """The fp32 values of this program's bucket tile of one payload."""
     k = load_unpack(codes_ptr, row, rmask, BITS, R, WORD)
-    if SCHEME == 0:
+    if SCHEME == MINMAX:
         m0 = tl.load(meta_ptr + bucket * 2)
         m1 = tl.load(meta_ptr + bucket * 2 + 1)
     else:
@@ -87,9 +87,9 @@ def decode_tile(meta_ptr, codes_ptr, bucket, row, rmask, BITS: tl.constexpr, R: 
 def code_values(k, m0, m1, BITS: tl.constexpr, SCHEME: tl.constexpr, LEVELS: tl.constexpr):
     """fp32 values of int32 codes ``k`` under their buckets' meta words ``m0`` (and
     ``m1``, minmax's step): scalars for one bucket, or one per element."""
-    if SCHEME == 0:
+    if SCHEME == MINMAX:
         y = m0 + k.to(tl.float32) * m1
-    elif SCHEME == 1:
+    elif SCHEME == MAXNORM:
         y = (k.to(tl.float32) - (LEVELS - 1) / 2.0) * m0
     else:
         M: tl.constexpr = LEVELS - 1

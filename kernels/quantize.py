@@ -18,6 +18,8 @@ import triton.language as tl
 from qcomm.layout import effective_scheme_id, levels
 
 from .common import (
+    MAXNORM,
+    MINMAX,
     bucket_tile,
     half_uniform,
     pack_store,
@@ -38,7 +40,7 @@ def bucket_stats(x, valid, x1, valid1, PAIRED: tl.constexpr, SCHEME: tl.constexp
     the summation order. The halves are combined element by element before one
     reduction: a reduction across warps goes through shared memory and a barrier."""
     z = x * 0.0
-    if SCHEME == 0:
+    if SCHEME == MINMAX:
         a = tl.where(valid, x, float("inf"))
         b = tl.where(valid, x, float("-inf"))
     elif L2:
@@ -47,7 +49,7 @@ def bucket_stats(x, valid, x1, valid1, PAIRED: tl.constexpr, SCHEME: tl.constexp
         a = tl.abs(x)
     if PAIRED:
         z = z + x1 * 0.0
-        if SCHEME == 0:
+        if SCHEME == MINMAX:
             a = tl.minimum(a, tl.where(valid1, x1, float("inf")))
             b = tl.maximum(b, tl.where(valid1, x1, float("-inf")))
         elif L2:
@@ -55,7 +57,7 @@ def bucket_stats(x, valid, x1, valid1, PAIRED: tl.constexpr, SCHEME: tl.constexp
         else:
             a = tl.maximum(a, tl.abs(x1))
     z = tl.sum(tl.sum(z, axis=1), axis=0)
-    if SCHEME == 0:
+    if SCHEME == MINMAX:
         a = tl.min(tl.min(a, axis=1), axis=0)
         b = tl.max(tl.max(b, axis=1), axis=0)
     elif L2:
@@ -75,7 +77,7 @@ def bucket_meta(meta_ptr, bucket, z, a, b, SCHEME: tl.constexpr, LEVELS: tl.cons
     ``FINITE``: store 0
     for each meta word that is not finite (``torch.nan_to_num(meta, 0, 0, 0)``)."""
     bad = z != z
-    if SCHEME == 0:
+    if SCHEME == MINMAX:
         offset = a
         step = tl.math.div_rn(b - a, LEVELS - 1.0)
         tl.store(meta_ptr + bucket * 2, _finite(tl.where(bad, float("nan"), a), FINITE))
@@ -87,7 +89,7 @@ def bucket_meta(meta_ptr, bucket, z, a, b, SCHEME: tl.constexpr, LEVELS: tl.cons
             scale = tl.sqrt(a).to(tl.float32)
         else:
             scale = a
-        if SCHEME == 1:
+        if SCHEME == MAXNORM:
             step = tl.math.div_rn(scale, (LEVELS - 1) / 2.0)
         else:
             step = scale
@@ -110,10 +112,10 @@ def tile_codes(x, offset, s, inv, bad, u, BITS: tl.constexpr, SCHEME: tl.constex
                 LEVELS: tl.constexpr, STOCHASTIC: tl.constexpr):
     """int32 codes of a tile: ``qcomm.oracle.encode_bucket``'s codes; ``u`` the uniforms
     (stochastic)."""
-    if SCHEME == 0:
+    if SCHEME == MINMAX:
         t = tl.where(bad, 0.0, ((x - offset) * s) * inv)
         codes = round_codes(t, u, LEVELS - 1, STOCHASTIC)
-    elif SCHEME == 1:
+    elif SCHEME == MAXNORM:
         t = tl.where(bad, 0.0, (x * s) * inv + (LEVELS - 1) / 2.0)
         codes = round_codes(t, u, LEVELS - 1, STOCHASTIC)
     else:

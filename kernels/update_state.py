@@ -23,7 +23,7 @@ import triton.language as tl
 
 from qcomm.layout import effective_scheme_id, levels
 
-from .common import bucket_tile, pack_store, tile_args
+from .common import MINMAX, bucket_tile, pack_store, tile_args
 from .dequantize import code_values, decode_tile, store_cast
 from .quantize import bucket_meta, bucket_stats, tile_codes
 
@@ -43,7 +43,7 @@ def decode_at(meta_ptr, codes_ptr, index, valid, BITS: tl.constexpr, B: tl.const
     hi = tl.load(codes_ptr + byte + 1, mask=valid & (shift + BITS > 8), other=0).to(tl.int32)
     k = ((lo | (hi << 8)) >> shift) & ((1 << BITS) - 1)
     bucket = index // B
-    if SCHEME == 0:
+    if SCHEME == MINMAX:
         m0 = tl.load(meta_ptr + bucket * 2, mask=valid, other=0.0)
         m1 = tl.load(meta_ptr + bucket * 2 + 1, mask=valid, other=0.0)
     else:
