@@ -105,6 +105,7 @@ class GroupState:
         # call through qcomm (handshake.ensure_agreed, Subgroups.own).
         self.inner = inner
         self.connect = connect
+        self._codec: dict[str, dict] = {}  # codec keywords by device type (codec_for)
         # The first failure of a call whose inner work had started: every later call on
         # the group raises it (the ranks may be out of step).
         self.failed: BaseException | None = None
@@ -134,6 +135,15 @@ class GroupState:
         # Why every call of this group goes exact, whatever its config (a mesh dimension
         # that is not data-parallel: qcomm.purpose); None: calls may compress.
         self.exact_reason: str | None = None
+
+    def codec_for(self, device: torch.device) -> dict:
+        """The codec keywords of this group's calls on ``device``
+        (:func:`qcomm.codec.codec_options` of its config), derived once per device type:
+        the config is frozen, and a compressed call should not rebuild them."""
+        got = self._codec.get(device.type)
+        if got is None:
+            got = self._codec[device.type] = codec_options(self.config, device)
+        return got
 
     def learn_topology(self, keys: list[str], rank: int) -> None:
         """Every member's node key, in group-rank order (the same list on every rank)."""
@@ -329,8 +339,8 @@ class Call:
     index: int  # compressed calls this group made before this one
     rank: int  # this rank in the group
     world: int  # ranks in the group
-    # The codec keywords of this call's payloads (impl, warps: qcomm.codec.codec_options
-    # of the group's config and the tensor's device): every codec call passes them.
+    # The codec keywords of this call's payloads (impl, warps: GroupState.codec_for
+    # the tensor's device): every codec call passes them.
     codec: dict = field(default_factory=dict)
 
     def seed(self, slot: int) -> int:
@@ -424,7 +434,7 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
         return exact()
     with state.lock:  # the call index, in the caller's order (seeds)
         call = Call(kind, inner, state, q, state.next_call(), inner.rank(), state.world,
-                    codec_options(state.config, tensor.device))
+                    state.codec_for(tensor.device))
 
     def body() -> None:
         state.check_failed()  # a call queued behind one that failed

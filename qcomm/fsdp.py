@@ -63,7 +63,7 @@ import torch.distributed as dist
 
 from . import collectives as C
 from . import driver, handshake
-from .codec import codec_options, dequantize_rows, quantize_rows, update_state_rows
+from .codec import dequantize_rows, quantize_rows, update_state_rows
 from .config import CommConfig, QuantConfig
 from .layout import HEADER_NBYTES, meta_nbytes, packed_nbytes
 from .process_group import QcommProcessGroup, wrap
@@ -114,8 +114,8 @@ class PieceState:
       zero meta, so it decodes to zeros: state never keeps a non-finite value.
 
     Zero at first. ``store`` of the first two kinds replaces non-finite values by zero.
-    ``codec``: the keywords of its codec calls (:func:`qcomm.codec.codec_options` of the
-    group's config; default: the codec's own)."""
+    ``codec``: the keywords of its codec calls (the group's
+    :meth:`qcomm.driver.GroupState.codec_for`; default: the codec's own)."""
 
     def __init__(self, state, world: int, n: int, dtype: torch.dtype, device: torch.device,
                  parts: list[tuple[int, int]], *, codec: dict | None = None) -> None:
@@ -236,9 +236,8 @@ class _PerModule(_Allocate):
         key = (id(group), world, n, dtype, device, tuple(parts))
         got = self._states.get(key)
         if got is None:
-            codec = codec_options(driver.group_state(group).config, device)
             got = self._states[key] = PieceState(self.state, world, n, dtype, device, parts,
-                                                 codec=codec)
+                                                 codec=driver.group_state(group).codec_for(device))
         return got
 
 
