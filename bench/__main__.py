@@ -12,6 +12,7 @@
     python -m bench launches                    # codec calls and launches per collective
     python -m bench wire                        # FSDP2's bytes as the network interface counts them
     python -m bench breakeven                   # W ranks simulated: the fastest link compression pays on
+    python -m bench soak                        # 10,000 mixed collectives, every result checked
     python -m bench report                      # docs/results.md and README's results, from the files
 
 Nodes (qcomm's topology): every self-launched rank is told its node (QCOMM_NODE);
@@ -32,7 +33,7 @@ import sys
 import torch
 
 from . import (breakeven, codec, collectives, common, launches, memory, overlap, report, rows,
-               train, wire)
+               soak, train, wire)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -42,7 +43,8 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="what", required=True)
     for name, module in (("codec", codec), ("rows", rows), ("collectives", collectives),
                          ("overlap", overlap), ("train", train), ("memory", memory),
-                         ("launches", launches), ("wire", wire), ("breakeven", breakeven)):
+                         ("launches", launches), ("wire", wire), ("breakeven", breakeven),
+                         ("soak", soak)):
         summary = " ".join(module.__doc__.split("\n\n")[0].split()).split(": ", 1)[-1]
         q = sub.add_parser(name, help=summary,
                            description=module.__doc__,

@@ -17,9 +17,7 @@ Columns, as nccl-tests defines them (``world`` ranks, ``t`` the median time per 
 Extra columns: ``wire`` (bytes one rank sends its peers per call, qcomm.stats'
 definition; the same for exact gives ``size * factor``), ``ratio`` (exact wire /
 wire), ``speedup`` (exact time / time), ``rel_err`` (``|y - y_exact| / |y_exact|``
-against the exact fp32 result), and for qcomm the phases timed on their own:
-``quant``, ``xfer`` (the inner collectives on the payload bytes) and ``dequant``
-(all codec calls of one collective): where the time went.
+against the exact fp32 result).
 
 Each point: warm-up calls, then the median of ``--iters`` timed calls (fewer, never
 under 3, when one point would exceed ``--budget`` seconds); every timed call starts
@@ -93,7 +91,6 @@ BUS_FACTOR = {"all_gather": lambda w: (w - 1) / w, "reduce_scatter": lambda w: (
 CONFIGS = ("exact", "bits=8", "bits=4", "bits=2", "bf16")  # the default
 NODE_CONFIGS = ("exact", "bits=8,topology=flat", "bits=8,topology=auto")  # with --nodes
 BASELINES = ("exact", "bf16")  # torch's own calls, not qcomm configs
-PHASES = ("quant", "xfer", "dequant")  # qcomm's steps, timed on their own
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -170,58 +167,6 @@ def _qcomm(case: Case, group) -> Callable[[], None]:
     return lambda: qcomm.all_reduce(case.out, group=group)
 
 
-def _phases(case: Case, group, dist, q) -> dict[str, Callable[[], None]]:
-    """qcomm's steps of one collective at QuantConfig ``q`` (collectives.py's algorithms),
-    one callable per phase: every quantize, every inner transfer of payload bytes, every
-    dequantize."""
-    import qcomm
-
-    w, r = case.world, case.rank
-    chunk = -(-case.numel // w)
-    dev = case.device
-    x = torch.randn(chunk, device=dev).to(case.dtype)
-    nb = qcomm.packed_nbytes(chunk, q)
-    send = torch.empty(w, nb, dtype=torch.uint8, device=dev)
-    recv = torch.empty(w, nb, dtype=torch.uint8, device=dev)
-    for j in range(w):
-        qcomm.quantize(x, q, seed=j, out=send[j])
-    acc = torch.zeros(chunk, dtype=torch.float32, device=dev)
-    # the all-gather decodes into the W slots of its W * chunk output, as the call does
-    # (one reused chunk-sized buffer stays in cache and made the 2-bit decode look 2-3x
-    # cheaper than the call's)
-    y = torch.empty(w, chunk, dtype=case.dtype, device=dev)
-    peers = [j for j in range(w) if j != r]
-
-    def packed(j):
-        return qcomm.Packed(recv[j] if nb % 4 == 0 else recv[j].clone(), chunk, case.dtype, q)
-
-    def quant(js):
-        for j in js:
-            qcomm.quantize(x, q, seed=j, out=send[j])
-
-    def gather():
-        dist.all_gather_into_tensor(recv.view(-1), send[r], group=group)
-
-    def all_to_all():
-        dist.all_to_all_single(recv.view(-1), send.view(-1), group=group)
-
-    def decode_all():
-        for j in range(w):
-            qcomm.dequantize(packed(j), out=y[j], check=False)
-
-    def accumulate():
-        for j in peers:
-            qcomm.dequantize(packed(j), out=acc, accumulate=True, check=False)
-
-    if case.coll == "all_gather":
-        return {"quant": lambda: quant([r]), "xfer": gather, "dequant": decode_all}
-    if case.coll == "reduce_scatter":
-        return {"quant": lambda: quant(peers), "xfer": all_to_all, "dequant": accumulate}
-    return {"quant": lambda: quant(peers + [r]),
-            "xfer": lambda: (all_to_all(), gather()),
-            "dequant": lambda: (accumulate(), decode_all())}
-
-
 class Timer:
     """The one timing loop of every rank: warm-up, barrier before each call, the slowest
     rank's time per call, median; the iteration count agreed by all ranks."""
@@ -249,9 +194,6 @@ class Timer:
         estimate = self._max([min(warm)])[0]
         n = common.plan_iters(estimate, self.iters, self.budget)
         return self._max(common.time_calls(fn, n, before=barrier_then, sync=self.sync))
-
-    def __call__(self, fn: Callable[[], object], before: Callable[[], None] | None = None):
-        return statistics.median(self.times(fn, before))
 
 
 def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -285,10 +227,10 @@ def _split_bytes(row: dict, stat, case: Case, nodes: list[int], group, dist) -> 
 
 
 def _measure(case: Case, variant: str, rounds: list[list[float]], ref: torch.Tensor, group,
-             vgroup, cfg, dist, timer: Timer, spec: dict) -> dict:
+             vgroup, cfg, dist, spec: dict) -> dict:
     """One row from ``variant``'s timed rounds on ``case`` (``cfg``: its CommConfig,
-    None for a baseline): its time, then (one call more) its error, wire bytes, their
-    split by node, and phases."""
+    None for a baseline): its time, then (one call more) its error, wire bytes and their
+    split by node."""
     import qcomm
 
     fn = _call(case, variant, vgroup, dist)
@@ -320,13 +262,6 @@ def _measure(case: Case, variant: str, rounds: list[list[float]], ref: torch.Ten
         stat = qcomm.stats(vgroup, reset=True)[case.coll]
         row["wire"] = stat.wire_bytes
         row["compressed"] = stat.calls_compressed > 0
-        # the phases are the one-level algorithms': not what a two-level call runs
-        if spec["phases"] and row["compressed"] and not two_level:
-            for name, phase in _phases(case, group, dist, q).items():
-                row[f"{name}_us"] = timer(phase) * 1e6
-            # what the phases timed on their own do not explain (headers, copies, the
-            # link's state between phases, noise)
-            row["other_us"] = row["time_us"] - sum(row[f"{k}_us"] for k in PHASES)
     row["ratio"] = exact_wire / row["wire"] if row["wire"] else float("nan")
     _split_bytes(row, stat, case, spec["nodes"], group, dist)
     return row
@@ -385,8 +320,8 @@ def worker(spec: dict) -> None:
                 for v in variants[k % len(variants):] + variants[:k % len(variants)]:
                     times[v].append(timer.times(_call(case, v, vgroups[v], dist),
                                                 before=case.reset))
-            point = [_measure(case, v, times[v], ref, group, vgroups[v], cfgs[v], dist, timer,
-                              spec) for v in variants]
+            point = [_measure(case, v, times[v], ref, group, vgroups[v], cfgs[v], dist, spec)
+                     for v in variants]
             _compare(point)
             rows += point
             if rank == 0:
@@ -401,7 +336,7 @@ def worker(spec: dict) -> None:
 # --------------------------------------------------------------------------- driver
 
 
-def columns(phases: bool, *, topology: bool = False, rounds: int = 1) -> list[Column]:
+def columns(*, topology: bool = False, rounds: int = 1) -> list[Column]:
     """The table: nccl-tests' columns, ours, the bytes by node; ``topology``: auto's
     ``vs_flat``; ``rounds`` > 1: the spread of the round medians."""
     cols = [Column("size", "size"), Column("count", "count"), Column("type", "type"),
@@ -414,8 +349,6 @@ def columns(phases: bool, *, topology: bool = False, rounds: int = 1) -> list[Co
         cols.append(Column("vs_flat", "vs_flat", "{:.2f}x"))
     if rounds > 1:
         cols.append(Column("spread", "spread", "{:.0%}"))
-    if phases:
-        cols += [Column(f"{k}_us", f"{k}(us)", "{:.1f}") for k in (*PHASES, "other")]
     return cols
 
 
@@ -494,7 +427,7 @@ def run_one(args, rate: str | None) -> Path:
     print(common.format_header(header), flush=True)
     spec = {"sizes": args.sizes, "collectives": args.collectives,
             "configs": args.config, "iters": args.iters, "warmup": args.warmup,
-            "budget": args.budget, "dtype": args.dtype, "phases": not args.no_phases,
+            "budget": args.budget, "dtype": args.dtype,
             "backend": args.backend, "rounds": args.rounds, "nodes": nodes,
             "layout": layout, "link": tag, "op_timeout": args.op_timeout}
     with ShapedLink(rate) if rate else contextlib.nullcontext() as link:
@@ -503,7 +436,7 @@ def run_one(args, rate: str | None) -> Path:
     rows, header["ranks"] = result["rows"], result["hosts"]
     print("# ranks (node@hostname): " + ", ".join(
         f"{r} {h['node']}@{h['hostname']}" for r, h in enumerate(header["ranks"])))
-    cols = columns(not args.no_phases, rounds=args.rounds,
+    cols = columns(rounds=args.rounds,
                    topology=any(common.flat_twin(v) for v in labels))
     folder = common.results_dir(args.out, header)
     stem = f"collectives-{tag}" + (f"-{layout}" if layout else "")
@@ -547,8 +480,6 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--budget", type=float, default=5.0,
                    help="seconds per point; fewer iterations (>= 3) for slow points")
-    p.add_argument("--no-phases", action="store_true",
-                   help="skip timing quantize / transfer / dequantize separately")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per link rate, all in")
     p.add_argument("--op-timeout", type=float, default=600,
                    help="seconds one collective may block before the ranks fail")

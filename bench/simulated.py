@@ -70,9 +70,12 @@ class SimulatedPeers:
         pass
 
 
-def simulated_group(world: int, bits: int = 8, rank: int = 0) -> qcomm.QcommProcessGroup:
+def simulated_group(world: int, bits: int = 8, rank: int = 0,
+                    compile: bool | None = None) -> qcomm.QcommProcessGroup:  # noqa: A002
     """A qcomm group over :class:`SimulatedPeers` (flat: every simulated peer is on this
-    machine, which the topology would send exact), ``bits`` for every collective."""
+    machine, which the topology would send exact), ``bits`` for every collective;
+    ``compile`` as :class:`qcomm.CommConfig`'s."""
     q = qcomm.QuantConfig(bits=bits)
-    config = qcomm.CommConfig(all_gather=q, reduce_scatter=q, all_reduce=q, topology="flat")
+    config = qcomm.CommConfig(all_gather=q, reduce_scatter=q, all_reduce=q, topology="flat",
+                              compile=compile)
     return qcomm.QcommProcessGroup(SimulatedPeers(world, rank), config, owns_inner=False)

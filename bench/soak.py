@@ -1,7 +1,8 @@
-"""Soak: thousands of mixed qcomm collectives on self-launched ranks, every result checked.
+"""``python -m bench soak``: thousands of mixed qcomm collectives on self-launched ranks,
+every result checked.
 
-    python -m bench.soak                          # 10,000 collectives, 2 ranks, loopback
-    python -m bench.soak --count 300 --out /tmp/s # the short version the tests run
+    python -m bench soak                          # 10,000 collectives, 2 ranks, loopback
+    python -m bench soak --count 300 --out /tmp/s # the short version the tests run
 
 Each call draws (from one seed, identically on every rank) a collective (all-gather,
 reduce-scatter, all-reduce), a size log-uniform in 1..2^``--max-log2`` elements (per
@@ -39,7 +40,6 @@ import math
 import os
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -50,7 +50,7 @@ from qcomm.oracle import minmax_steps
 
 from . import common
 from .common import Column
-from .link import pin_this_rank, run_ranks
+from .link import pin_this_rank, run_spec, worker_done
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -273,17 +273,14 @@ def worker(spec: dict) -> None:
     result = {"memory": memory, "samples": samples, "stats": stats,
               "rows": [{"collective": k[0], "dtype": k[1], "path": k[2], **v}
                        for k, v in sorted(checker.worst.items())]}
-    Path(spec["result"]).with_suffix(f".{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    worker_done(spec, rank, result)
 
 
 COLUMNS = [Column("collective", "collective"), Column("dtype", "dtype"), Column("path", "path"),
            Column("calls", "calls"), Column("worst", "worst err/bound", "{:.3f}")]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--count", type=int, default=10_000, help="collectives (default 10000)")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -299,26 +296,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3600, help="seconds for the whole run")
     p.add_argument("--op-timeout", type=float, default=120,
                    help="seconds one collective may block before the ranks fail")
-    p.add_argument("--out", default=None, help="results folder (default bench/results/<machine>/)")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    command = " ".join(["python", "-m", "bench.soak", *(sys.argv[1:] if argv is None else argv)])
-    header = common.run_header("soak", device="cpu (gloo)", command=command)
+
+
+def main(args) -> int:
+    header = common.run_header("soak", device="cpu (gloo)", command=args.command)
     header["soak"] = {k: getattr(args, k) for k in ("count", "world", "seed", "max_log2",
                                                     "warmup", "sample", "max_growth")}
     header["env"] = {k: v for k, v in os.environ.items() if k.startswith("QCOMM_")}
     print(common.format_header(header), flush=True)
-    with tempfile.TemporaryDirectory(prefix="qcomm-soak-") as tmp:
-        spec = {"count": args.count, "seed": args.seed, "max_log2": args.max_log2,
-                "warmup": args.warmup, "sample": args.sample, "op_timeout": args.op_timeout,
-                "result": str(Path(tmp) / "result.json")}
-        spec_path = Path(tmp) / "spec.json"
-        spec_path.write_text(json.dumps(spec))
-        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(common.ROOT),
-                                                           os.environ.get("PYTHONPATH")]))}
-        run_ranks(["-m", "bench.soak", "--worker", str(spec_path)], args.world,
-                  timeout_s=args.timeout, env=env)
-        ranks = [json.loads(Path(spec["result"]).with_suffix(f".{r}.json").read_text())
-                 for r in range(args.world)]
+    spec = {"count": args.count, "seed": args.seed, "max_log2": args.max_log2,
+            "warmup": args.warmup, "sample": args.sample, "op_timeout": args.op_timeout}
+    ranks = run_spec("bench.soak", spec, args.world, timeout_s=args.timeout)
     rows = ranks[0]["rows"]
     header["memory"] = [r["memory"] for r in ranks]
     header["stats_rank0"] = ranks[0]["stats"]
@@ -339,8 +327,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        worker(json.loads(Path(sys.argv[2]).read_text()))
-    else:
-        sys.exit(main())
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
+    worker(json.loads(Path(sys.argv[2]).read_text()))

@@ -168,8 +168,6 @@ def _check_collectives(rows, tag, variants, colls=collectives.COLLECTIVES):
         else:
             assert r["compressed"] and r["ratio"] > 1
             assert 0 < r["rel_err"] < 1.5
-            if not r["two_level"]:  # phases: the one-level algorithms only
-                assert r["quant_us"] > 0 and r["xfer_us"] > 0 and r["dequant_us"] > 0
     assert {r["variant"] for r in rows} == set(variants)
 
 
@@ -314,14 +312,14 @@ def test_speedup_plot(tmp_path):
                 for c in collectives.COLLECTIVES
                 for v, s in (("exact", 1.0), ("bits=8", speedup))]
         common.write_results(tmp_path, f"collectives-{tag}", dict(header, link=tag),
-                             collectives.columns(False), rows)
+                             collectives.columns(), rows)
     assert collectives.plot_speedup(tmp_path) == tmp_path / "speedup-vs-link.png"
     assert (tmp_path / "speedup-vs-link.png").stat().st_size > 0
     # runs of another node layout in the same folder: a plot of their own
     assert collectives.plot_speedup(tmp_path, "2x2") is None  # none yet
     for tag in ("1gbit", "100mbit"):
         common.write_results(tmp_path, f"collectives-{tag}-2x2",
-                             dict(header, link=tag, layout="2x2"), collectives.columns(False),
+                             dict(header, link=tag, layout="2x2"), collectives.columns(),
                              [dict(r, variant="bits=8,topology=auto") for r in rows])
     assert collectives.plot_speedup(tmp_path, "2x2") == tmp_path / "speedup-vs-link-2x2.png"
 
@@ -340,7 +338,7 @@ def _check_nodes(rows, header):
             flat = by[(coll, "bits=8,topology=flat")]
             assert r["inter"] < 0.6 * flat["inter"] and r["vs_flat"] > 0
             assert r["rel_err"] < 1.5 * flat["rel_err"]
-            assert "quant_us" not in r and "quant_us" in flat  # phases: one-level only
+            assert r["two_level"] and not flat["two_level"]
     return hosts
 
 
@@ -441,20 +439,6 @@ def test_crossdevice_compare_sees_bits_values_hide():
     other = {"all_gather": dict(s["all_gather"], control_bytes=0)}
     assert same_counters(s, other)
     assert not same_counters(s, {"all_gather": dict(s["all_gather"], wire_bytes=3)})
-
-
-def test_weight_error_shows_bucket_straddling():
-    """bench.weight_error: a 128-bucket spanning LayerNorm gain and bias wrecks the bias
-    (the gain's ~1.0 sets the step); buckets on parameter boundaries do not."""
-    from bench.weight_error import block_shards, relative_errors
-
-    shards = block_shards()
-    names = [n for n, _ in shards]
-    cfg = qcomm.QuantConfig(bits=4, bucket_size=128, rounding="nearest")
-    mixed = dict(zip(names, relative_errors(shards, cfg, aligned=False), strict=True))
-    alone = dict(zip(names, relative_errors(shards, cfg, aligned=True), strict=True))
-    assert mixed["ln1.bias"] > 1.0 and alone["ln1.bias"] < 0.15
-    assert abs(mixed["fc.weight"] - alone["fc.weight"]) < 0.01  # big params: no effect
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")

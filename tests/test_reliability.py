@@ -486,7 +486,7 @@ def test_soak_short(tmp_path):
     env = {**os.environ, "QCOMM_COMPILE": "0"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.soak", "--count", "300", "--out", str(tmp_path),
+        [sys.executable, "-m", "bench", "soak", "--count", "300", "--out", str(tmp_path),
          "--max-growth", "1000", "--timeout", "150"],
         capture_output=True, text=True, timeout=180, env=env, cwd=root)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
