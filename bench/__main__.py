@@ -10,10 +10,10 @@
     python -m bench overlap --link 100mbit      # async collectives behind compute
     python -m bench memory                      # peak RSS: FSDP2 vs qcomm.fsdp's state
     python -m bench launches                    # codec calls and launches per collective
-    python -m bench wire                        # FSDP2's bytes as the network interface counts them
-    python -m bench breakeven                   # W ranks simulated: the fastest link compression pays on
+    python -m bench wire                        # FSDP2's bytes as the interface counts them
+    python -m bench breakeven                   # W ranks simulated: where compression pays
     python -m bench soak                        # 10,000 mixed collectives, every result checked
-    python -m bench report                      # docs/results.md and README's results, from the files
+    python -m bench report                      # docs/results.md and README's results
 
 Nodes (qcomm's topology): every self-launched rank is told its node (QCOMM_NODE);
 without --nodes each loopback rank is a node of its own and each --link namespace one.
@@ -32,8 +32,20 @@ import sys
 
 import torch
 
-from . import (breakeven, codec, collectives, common, launches, memory, overlap, report, rows,
-               soak, train, wire)
+from . import (
+    breakeven,
+    codec,
+    collectives,
+    common,
+    launches,
+    memory,
+    overlap,
+    report,
+    rows,
+    soak,
+    train,
+    wire,
+)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -128,14 +128,14 @@ def worker(spec: dict) -> None:
         for coll in spec["collectives"]:
             for variant, group in (("exact", dist.group.WORLD), (f"qcomm{q.bits}", qg)):
                 if coll == "all_gather":
-                    def fn(g=group):
-                        dist.all_gather_into_tensor(gathered, shard, group=g)
+                    def fn(g=group, out=gathered, inp=shard):
+                        dist.all_gather_into_tensor(out, inp, group=g)
                 elif coll == "reduce_scatter":
-                    def fn(g=group):
-                        dist.reduce_scatter_tensor(part, full, group=g)
+                    def fn(g=group, out=part, inp=full):
+                        dist.reduce_scatter_tensor(out, inp, group=g)
                 else:
-                    def fn(g=group):
-                        dist.all_reduce(reduced.copy_(full), group=g)
+                    def fn(g=group, out=reduced, inp=full):
+                        dist.all_reduce(out.copy_(inp), group=g)
                 row = {"collective": coll, "world": world, "backend": backend, "numel": n,
                        "variant": variant}
                 try:

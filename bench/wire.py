@@ -36,8 +36,7 @@ from pathlib import Path
 import torch
 
 from . import common
-from .link import (UNSHAPED, LinkError, ShapedLink, parse_rate, pin_this_rank, run_spec,
-                   worker_done)
+from .link import UNSHAPED, LinkError, ShapedLink, parse_rate, pin_this_rank, run_spec, worker_done
 
 MODELS = ("demo", "mlp")
 CONFIGS = ("exact", "bits=8", "bits=4")

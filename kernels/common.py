@@ -92,7 +92,7 @@ def reciprocal_step(step):
 
 
 @triton.jit
-def round_codes(t, u, TOP: tl.constexpr, STOCHASTIC: tl.constexpr):
+def round_position(t, u, TOP: tl.constexpr, STOCHASTIC: tl.constexpr):
     """``qcomm.oracle.round_position``: level position ``t >= 0`` to ``floor(t + u)``
     (stochastic; one fp32 add, unfused: the kernels run with fusion off) or to nearest,
     ties down (``u`` unused); clamped to [0, TOP]."""

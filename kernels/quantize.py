@@ -25,7 +25,7 @@ from .common import (
     pack_store,
     pair_hash,
     reciprocal_step,
-    round_codes,
+    round_position,
     tile_args,
 )
 
@@ -114,10 +114,10 @@ def tile_codes(x, offset, s, inv, bad, u, BITS: tl.constexpr, SCHEME: tl.constex
     (stochastic)."""
     if SCHEME == MINMAX:
         t = tl.where(bad, 0.0, ((x - offset) * s) * inv)
-        codes = round_codes(t, u, LEVELS - 1, STOCHASTIC)
+        codes = round_position(t, u, LEVELS - 1, STOCHASTIC)
     elif SCHEME == MAXNORM:
         t = tl.where(bad, 0.0, (x * s) * inv + (LEVELS - 1) / 2.0)
-        codes = round_codes(t, u, LEVELS - 1, STOCHASTIC)
+        codes = round_position(t, u, LEVELS - 1, STOCHASTIC)
     else:
         M: tl.constexpr = LEVELS - 1
         r = tl.minimum(tl.where(bad, 0.0, (tl.abs(x) * s) * inv), 1.0)

@@ -62,8 +62,17 @@ from torch.distributed import ReduceOp
 from . import inner as I
 from .codec import dequantize_rows, dequantize_sum, quantize, quantize_rows
 from .config import QuantConfig
-from .driver import (Call, exact_reduce, finish, group_state, inner_of, op_type, peer_bytes,
-                     premul_factor, run)
+from .driver import (
+    Call,
+    exact_reduce,
+    finish,
+    group_state,
+    inner_of,
+    op_type,
+    peer_bytes,
+    premul_factor,
+    run,
+)
 from .layout import packed_nbytes
 
 _RedOpType = ReduceOp.RedOpType

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import qcomm
-from bench import collectives, common, launches, link, train
+from bench import collectives, common, link, train
 from bench import rows as rows_bench
 from bench.__main__ import main, parser
 

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from conftest import run_ranks
 
-
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="needs CUDA (pytest -m gpu)")]
 

@@ -282,8 +282,9 @@ def test_warps_reach_the_launch_with_the_same_bytes(warps, monkeypatch):
     """The codec's ``warps=`` (a group's CommConfig.triton_warps) is what every launcher
     asks num_warps for, 0 by bucket size; the bytes and values stay the same (on a GPU
     the programs really run that many warps; the interpreter ignores it)."""
-    from qcomm import dequantize_rows, quantize_rows
     from qcomm.kernels import common
+
+    from qcomm import dequantize_rows, quantize_rows
 
     asked = []
     real = common.num_warps

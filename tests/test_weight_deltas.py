@@ -99,7 +99,8 @@ def _track(rank, world, deltas: bool, state=qcomm.fsdp.DEFAULT_STATE):
         errors.append(_rel(seen, true))
     stats = qcomm.stats(dist.group.WORLD)["all_gather"]
     return {"errors": errors, "seen": seen, "calls": stats.calls_compressed,
-            "payload": stats.wire_bytes - stats.control_bytes, "state_nbytes": sum(c.state_nbytes() for c in comms),
+            "payload": stats.wire_bytes - stats.control_bytes,
+            "state_nbytes": sum(c.state_nbytes() for c in comms),
             "params": sum(p.numel() for p in model.parameters())}
 
 

@@ -103,10 +103,11 @@ class Mixed(nn.Module):
 
 
 def _steps_body(rank, world, steps):
-    import qcomm.collectives as C
-    import qcomm.inner as I
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
+
+    import qcomm.collectives as C
+    import qcomm.inner as I
 
     counters = []
     real_make = I.make_inner

@@ -81,53 +81,10 @@ def uniform(index: torch.Tensor, key: int | torch.Tensor, bucket_size: int) -> t
     return half_uniform(pair_hash(counter, key), high)
 
 
-def _bucket_reduce(t: torch.Tensor, op) -> torch.Tensor:
-    """Reduce each bucket (last dimension of ``t``) to ``[..., buckets, 1]`` in two
-    stages: across rows of 16 (or 8) lanes first, then the lanes. Inductor vectorizes
-    the first stage vertically: measured 25 GB/s for a max over [2^14, 1024] fp32
-    against 5 GB/s reducing each row at once (dynamic shapes, 2 cores). Exact for min
-    and max; the NaN test of a sum is order-free; the fp64 L2 sum rounds to the same
-    fp32 as any other order w.h.p.
-    """
-    B = t.shape[-1]
-    lanes = 16 if B % 16 == 0 else 8
-    return op(op(t.unflatten(-1, (B // lanes, lanes)), dim=-2), dim=-1, keepdim=True)
-
-
 def divisor_for(scheme_id: int, bits: int) -> float:
     """What the scale is divided by to get the step: ``L - 1`` (minmax), ``c`` (maxnorm)."""
     L = levels(scheme_id, bits)
     return float(L - 1) if scheme_id == 0 else (L - 1) / 2.0
-
-
-def _round_codes(t: torch.Tensor, u: torch.Tensor | None, top: int) -> torch.Tensor:
-    """Round level position ``t >= 0`` (NaN-free): stochastically to ``floor(t + u)``
-    with uniforms ``u`` (:func:`uniform`), to nearest (ties down) where ``u`` is None;
-    clamp to ``top``.
-
-    ``t + u`` is one fp32 add: where it is inexact it rounds to nearest, which moves a
-    sum within half an ulp below an integer up to it. Below 256 that half ulp is at most
-    2^-17, under the 2^-16 spacing of ``u``, so it changes the rounding of at most one
-    value of ``u`` in 65536: a bias under 2^-16 of a step, the order of the grid's own
-    (sums from 256 up clamp to ``top`` <= 255 either way). The kernels do the same add
-    and floor (no FMA: they run with fusion off), the same bits. Against
-    ``floor(t) + (t - floor(t) > 1 - u)``, AVX2 instructions of the 8-bit code loop
-    (Zen 3) per 16 fp32 elements: maxnorm 80 -> 70, min-max (fused) 101 -> 93; per 32
-    bf16: min-max 212 -> 188, maxnorm 189 -> 173.
-
-    fp32 throughout: the codes are small integers, exact in fp32, and the same values as
-    the kernels' int32 arithmetic, but converting to uint8 straight from fp32 is one
-    instruction on AVX2 where int32 -> uint8 has no vector conversion in Inductor's C++
-    (a loop through a buffer): 8-bit code stores 0.92 G elements/s from int32, 2.39 from
-    fp32 (Zen 3, 1 thread). Selects, not ``lo + (frac > 0.5)`` and ``clamp``: a compare
-    and a blend each, where the bool-to-float add took four AVX2 instructions and
-    ``clamp`` six (its NaN propagation: ``t`` has none)."""
-    if u is None:
-        lo = torch.floor(t)
-        v = torch.where(t - lo > 0.5, lo + 1.0, lo)
-    else:
-        v = torch.floor(t + u)
-    return torch.where(v > top, float(top), v)
 
 
 # Calls of the torch path's pieces (each one loop nest or compiled graph: the CPU's
@@ -205,7 +162,8 @@ def row_chunks(n_buckets: int, step: int) -> list[tuple[int, int]]:
 
 def _bytes(v: torch.Tensor) -> torch.Tensor:
     """Integer values in [0, 255] as uint8; int32 through fp32 (exact), which AVX2 converts
-    in one instruction and int32 -> uint8 not at all (see _round_codes)."""
+    in one instruction and int32 -> uint8 not at all (see
+    :func:`qcomm.cpu.quantize.round_position`)."""
     return v if v.dtype == torch.uint8 else v.to(torch.float32).to(torch.uint8)
 
 

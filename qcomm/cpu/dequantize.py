@@ -10,7 +10,7 @@ import functools
 import torch
 
 from ..layout import effective_scheme_id, levels, meta_words
-from .common import pieces, row_chunks, eager, store, unpack_codes
+from .common import eager, pieces, row_chunks, store, unpack_codes
 
 
 def dequantize(meta: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, config,
