@@ -7,7 +7,8 @@
     python -m bench collectives --config exact --config bits=4,scheme=nuq
                                                 # variants in qcomm's config keys (QCOMM_*)
     python -m bench train                       # FSDP2 training, exact vs quantized
-    python -m bench overlap --link 100mbit      # async collectives behind compute
+    python -m bench collectives --link 100mbit --overlap
+                                                # async_op=True behind compute
     python -m bench memory                      # peak RSS: FSDP2 vs qcomm.fsdp's state
     python -m bench launches                    # codec calls and launches per collective
     python -m bench wire                        # FSDP2's bytes as the interface counts them
@@ -39,7 +40,6 @@ from . import (
     common,
     launches,
     memory,
-    overlap,
     report,
     rows,
     soak,
@@ -54,7 +54,7 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     for name, module in (("codec", codec), ("rows", rows), ("collectives", collectives),
-                         ("overlap", overlap), ("train", train), ("memory", memory),
+                         ("train", train), ("memory", memory),
                          ("launches", launches), ("wire", wire), ("breakeven", breakeven),
                          ("soak", soak)):
         summary = " ".join(module.__doc__.split("\n\n")[0].split()).split(": ", 1)[-1]

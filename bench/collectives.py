@@ -37,6 +37,16 @@ something). The default configs are then ``exact``, ``bits=8,topology=flat`` and
 
     python -m bench collectives --nodes 2 --ranks-per-node 2 --link 100mbit --rounds 5
 
+``--overlap`` adds what ``async_op=True`` is for (DDP's reducer, FSDP2's prefetching
+all-gathers): per round and variant (but ``bf16``), the call then as much compute as the
+call takes (256 x 256 matmuls, calibrated once), ``serial``, against the call with
+``async_op=True``, the compute, then ``wait()``, ``overlap``; ``overlap/serial`` is 0.5
+where the two hide each other fully, 1.0 where nothing overlaps (``async=0``)::
+
+    python -m bench collectives --link 100mbit --overlap --sizes 2^23 --rounds 3 \
+        --collectives all_gather,reduce_scatter --config exact --config bits=8 \
+        --config bits=8,async=0
+
 ``--sizes 2^23`` is 8 MiB per rank (each rank's all-gather shard and reduce-scatter
 output, fp32) at 4 ranks.
 
@@ -92,6 +102,7 @@ CONFIGS = ("exact", "bits=8", "bits=4", "bits=2", "bf16")  # the default
 NODE_CONFIGS = ("exact", "bits=8,topology=flat", "bits=8,topology=auto")  # with --nodes
 BASELINES = ("exact", "bf16")  # torch's own calls, not qcomm configs
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MATMUL = 256  # --overlap's compute unit: a 256 x 256 fp32 matmul (~0.5-2 ms on one core)
 
 
 def parse_config(text: str) -> tuple[str, dict[str, str]]:
@@ -128,12 +139,14 @@ class Case:
             self.out.copy_(self.inp)
 
 
-def _exact(case: Case, group, dist) -> Callable[[], None]:
+def _exact(case: Case, group, dist, async_op: bool = False) -> Callable[[], object]:
     if case.coll == "all_gather":
-        return lambda: dist.all_gather_into_tensor(case.out, case.inp, group=group)
+        return lambda: dist.all_gather_into_tensor(case.out, case.inp, group=group,
+                                                   async_op=async_op)
     if case.coll == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(case.out, case.inp, group=group)
-    return lambda: dist.all_reduce(case.out, group=group)
+        return lambda: dist.reduce_scatter_tensor(case.out, case.inp, group=group,
+                                                  async_op=async_op)
+    return lambda: dist.all_reduce(case.out, group=group, async_op=async_op)
 
 
 def _bf16(case: Case, group, dist) -> Callable[[], None]:
@@ -156,15 +169,17 @@ def _bf16(case: Case, group, dist) -> Callable[[], None]:
     return call
 
 
-def _qcomm(case: Case, group) -> Callable[[], None]:
-    """qcomm's direct call on a config's qcomm group (:func:`_variant_group`)."""
+def _qcomm(case: Case, group, async_op: bool = False) -> Callable[[], object]:
+    """qcomm's direct call on a config's qcomm group."""
     import qcomm
 
     if case.coll == "all_gather":
-        return lambda: qcomm.all_gather_into_tensor(case.out, case.inp, group)
+        return lambda: qcomm.all_gather_into_tensor(case.out, case.inp, group,
+                                                    async_op=async_op)
     if case.coll == "reduce_scatter":
-        return lambda: qcomm.reduce_scatter_tensor(case.out, case.inp, group=group)
-    return lambda: qcomm.all_reduce(case.out, group=group)
+        return lambda: qcomm.reduce_scatter_tensor(case.out, case.inp, group=group,
+                                                   async_op=async_op)
+    return lambda: qcomm.all_reduce(case.out, group=group, async_op=async_op)
 
 
 class Timer:
@@ -207,6 +222,31 @@ def _call(case: Case, variant: str, vgroup, dist) -> Callable[[], None]:
     if variant == "bf16":
         return _bf16(case, vgroup, dist)
     return _qcomm(case, vgroup)
+
+
+def _compute(units: int, ab: tuple) -> None:
+    """``--overlap``'s compute: ``units`` matmuls of the same operands (no drift into
+    denormals)."""
+    a, b, c = ab
+    for _ in range(units):
+        torch.mm(a, b, out=c)
+
+
+def _overlap(case: Case, variant: str, vgroup, dist, timer: Timer, units: int,
+             ab: tuple) -> tuple[list[float], list[float]]:
+    """``--overlap``: the call then ``units`` of compute (serial), and the call with
+    ``async_op=True``, the compute, then ``wait()`` (overlapped); each call's seconds."""
+    sync = _call(case, variant, vgroup, dist)
+    start = (_exact(case, vgroup, dist, async_op=True) if variant == "exact"
+             else _qcomm(case, vgroup, async_op=True))
+
+    def overlapped():
+        work = start()
+        _compute(units, ab)
+        work.wait()
+
+    return (timer.times(lambda: (sync(), _compute(units, ab)), before=case.reset),
+            timer.times(overlapped, before=case.reset))
 
 
 def _split_bytes(row: dict, stat, case: Case, nodes: list[int], group, dist) -> None:
@@ -306,6 +346,10 @@ def worker(spec: dict) -> None:
     vgroups = {v: group if c is None else qcomm.wrap(group, c) for v, c in cfgs.items()}
     rows = []
     where = spec["link"] + (f" {spec['layout']}" if spec["layout"] else "")
+    if spec["overlap"]:  # the compute unit, calibrated once: the slowest rank's
+        ab = (torch.randn(MATMUL, MATMUL), torch.randn(MATMUL, MATMUL),
+              torch.empty(MATMUL, MATMUL))
+        unit = min(timer.times(lambda: _compute(20, ab))) / 20
     if rank == 0:
         print(f"# {where}: {world} ranks up ({time.monotonic() - start:.1f} s)",
               file=sys.stderr, flush=True)
@@ -316,12 +360,24 @@ def worker(spec: dict) -> None:
             _exact(case, group, dist)()
             ref = case.out.clone()  # the exact fp32 answer for rel_err
             times = {v: [] for v in variants}
+            serial, overlapped = ({v: [] for v in variants} for _ in range(2))
             for k in range(spec["rounds"]):  # interleaved, each round from the next variant
                 for v in variants[k % len(variants):] + variants[:k % len(variants)]:
                     times[v].append(timer.times(_call(case, v, vgroups[v], dist),
                                                 before=case.reset))
+                    if spec["overlap"] and v != "bf16":  # compute as long as the call
+                        units = max(1, round(statistics.median(times[v][0]) / unit))
+                        got = _overlap(case, v, vgroups[v], dist, timer, units, ab)
+                        serial[v].append(statistics.median(got[0]))
+                        overlapped[v].append(statistics.median(got[1]))
             point = [_measure(case, v, times[v], ref, group, vgroups[v], cfgs[v], dist, spec)
                      for v in variants]
+            for row in point:
+                s, o = serial[row["variant"]], overlapped[row["variant"]]
+                if s:  # the medians of the rounds' medians
+                    row.update(serial_ms=statistics.median(s) * 1e3,
+                               overlap_ms=statistics.median(o) * 1e3,
+                               overlap=statistics.median(o) / statistics.median(s))
             _compare(point)
             rows += point
             if rank == 0:
@@ -336,9 +392,10 @@ def worker(spec: dict) -> None:
 # --------------------------------------------------------------------------- driver
 
 
-def columns(*, topology: bool = False, rounds: int = 1) -> list[Column]:
+def columns(*, topology: bool = False, rounds: int = 1, overlap: bool = False) -> list[Column]:
     """The table: nccl-tests' columns, ours, the bytes by node; ``topology``: auto's
-    ``vs_flat``; ``rounds`` > 1: the spread of the round medians."""
+    ``vs_flat``; ``rounds`` > 1: the spread of the round medians; ``overlap``: the
+    serial and overlapped times and their ratio."""
     cols = [Column("size", "size"), Column("count", "count"), Column("type", "type"),
             Column("variant", "variant"), Column("time_us", "time(us)", "{:.1f}"),
             Column("algbw", "algbw(GB/s)", "{:.3f}"), Column("busbw", "busbw(GB/s)", "{:.3f}"),
@@ -349,6 +406,10 @@ def columns(*, topology: bool = False, rounds: int = 1) -> list[Column]:
         cols.append(Column("vs_flat", "vs_flat", "{:.2f}x"))
     if rounds > 1:
         cols.append(Column("spread", "spread", "{:.0%}"))
+    if overlap:
+        cols += [Column("serial_ms", "serial(ms)", "{:.1f}"),
+                 Column("overlap_ms", "overlap(ms)", "{:.1f}"),
+                 Column("overlap", "overlap/serial", "{:.2f}")]
     return cols
 
 
@@ -374,7 +435,8 @@ def plot_speedup(folder: Path, layout: str | None = None):
     runs = []
     for path in sorted(folder.glob("collectives-*.json")):
         data = json.loads(path.read_text())
-        if data["header"].get("layout") != layout:
+        sweep = data["header"].get("sweep", {})
+        if data["header"].get("layout") != layout or sweep.get("overlap"):
             continue
         parsed = parse_rate(data["header"]["link"])
         runs.append((parsed[1] if parsed else None, data["rows"]))
@@ -423,11 +485,11 @@ def run_one(args, rate: str | None) -> Path:
     header["sweep"] = {"sizes": args.sizes, "collectives": args.collectives,
                        "configs": labels, "iters": args.iters, "warmup": args.warmup,
                        "budget_s": args.budget, "world": args.world, "dtype": args.dtype,
-                       "rounds": args.rounds}
+                       "rounds": args.rounds, "overlap": args.overlap}
     print(common.format_header(header), flush=True)
     spec = {"sizes": args.sizes, "collectives": args.collectives,
             "configs": args.config, "iters": args.iters, "warmup": args.warmup,
-            "budget": args.budget, "dtype": args.dtype,
+            "budget": args.budget, "dtype": args.dtype, "overlap": args.overlap,
             "backend": args.backend, "rounds": args.rounds, "nodes": nodes,
             "layout": layout, "link": tag, "op_timeout": args.op_timeout}
     with ShapedLink(rate) if rate else contextlib.nullcontext() as link:
@@ -436,10 +498,11 @@ def run_one(args, rate: str | None) -> Path:
     rows, header["ranks"] = result["rows"], result["hosts"]
     print("# ranks (node@hostname): " + ", ".join(
         f"{r} {h['node']}@{h['hostname']}" for r, h in enumerate(header["ranks"])))
-    cols = columns(rounds=args.rounds,
+    cols = columns(rounds=args.rounds, overlap=args.overlap,
                    topology=any(common.flat_twin(v) for v in labels))
     folder = common.results_dir(args.out, header)
-    stem = f"collectives-{tag}" + (f"-{layout}" if layout else "")
+    stem = (f"collectives-{tag}" + (f"-{layout}" if layout else "")
+            + ("-overlap" if args.overlap else ""))
     where = f"{args.world} ranks" + (f" ({layout} nodes x ranks)" if layout else "")
     for coll in args.collectives:
         print(f"\n# {coll}, {where}, link {tag}")
@@ -480,6 +543,9 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--budget", type=float, default=5.0,
                    help="seconds per point; fewer iterations (>= 3) for slow points")
+    p.add_argument("--overlap", action="store_true",
+                   help="also time each call (but bf16) behind compute: async_op=True, "
+                        "matmuls as long as the call, wait(), against the call then them")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per link rate, all in")
     p.add_argument("--op-timeout", type=float, default=600,
                    help="seconds one collective may block before the ranks fail")

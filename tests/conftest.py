@@ -11,7 +11,9 @@ one dict for all ranks or a list of one per rank.
 Workers run with ``QCOMM_COMPILE=0`` (the eager codec: ``torch.compile`` costs ~25 s per
 process and config; read into each group's config at its creation, and by direct codec
 calls that name no path once per process, :func:`qcomm.config.env_config`) and one
-intra-op thread each (2 shared cores).
+intra-op thread each (2 shared cores). So does the test process itself, unless the
+environment says otherwise: a test of the compiled path names it (``impl="torch"``,
+``CommConfig(compile=True)``, or ``QCOMM_COMPILE=1`` for a subprocess).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT = 120.0
 WORKER_ENV = {"QCOMM_COMPILE": "0", "OMP_NUM_THREADS": "1"}
+os.environ.setdefault("QCOMM_COMPILE", "0")
 
 
 def _worker(rank, world, store_path, backend, env, fn, args, results, pg_timeout=60.0):

@@ -184,6 +184,23 @@ def test_collectives_loopback(tmp_path, capsys):
     assert "busbw(GB/s)" in out and "all_reduce" in out
 
 
+def test_collectives_overlap(tmp_path):
+    """--overlap: every variant but bf16 is timed serial and behind compute too."""
+    configs = ["exact", "bits=8", "bits=8,async=0", "bf16"]
+    assert main(["collectives", "--overlap", "--sizes", "2^14", "--iters", "1", "--warmup",
+                 "1", "--timeout", "120", "--out", str(tmp_path),
+                 *(a for c in configs for a in ("--config", c))]) == 0
+    header, rows = _load(tmp_path / "collectives-loopback-overlap.json")
+    assert header["sweep"]["overlap"]
+    _check_collectives(rows, "loopback", configs)
+    for r in rows:
+        if r["variant"] == "bf16":
+            assert "overlap" not in r
+        else:
+            assert r["serial_ms"] > 0 and r["overlap_ms"] > 0, r
+            assert r["overlap"] == pytest.approx(r["overlap_ms"] / r["serial_ms"])
+
+
 def test_link_needs_root(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(link.os, "geteuid", lambda: 1000)
     with pytest.raises(link.LinkError, match="needs root"):
@@ -255,14 +272,14 @@ def test_config_flag(capsys):
     assert args.config == [("exact", {"QCOMM_BITS": "off"}),
                            ("bits=4,scheme=nuq", {"QCOMM_BITS": "4", "QCOMM_SCHEME": "nuq"}),
                            ("bf16", {})]
-    args = parser().parse_args(["overlap", "--config", "bits=8,async=0"])
+    args = parser().parse_args(["collectives", "--overlap", "--config", "bits=8,async=0"])
     assert args.config == [("bits=8,async=0", {"QCOMM_BITS": "8", "QCOMM_ASYNC": "0"})]
     args = parser().parse_args(["memory", "--config", "bits=4,ag_bucket=128,deltas=1"])
     assert args.config == [("bits=4,ag_bucket=128,deltas=1",
                             {"QCOMM_BITS": "4", "QCOMM_AG_BUCKET": "128"})]
     for what, bad, named in (("collectives", "bitz=4", "'bitz=4'"),
                              ("collectives", "bits=9", "QCOMM_BITS"),
-                             ("overlap", "bf16", "'bf16'"), ("wire", "qcomm8", "'qcomm8'"),
+                             ("wire", "bf16", "'bf16'"), ("wire", "qcomm8", "'qcomm8'"),
                              ("train", "w8g8", "'w8g8'"), ("train", "fp32", "'fp32'"),
                              ("train", "bits=4,deltas=2", "deltas='2'"),
                              ("memory", "bits=4,state=8", "needs deltas=1"),
@@ -271,7 +288,7 @@ def test_config_flag(capsys):
             main([what, "--config", bad])
         assert exit_.value.code == 2
         assert named in capsys.readouterr().err, (what, bad)
-    for what in ("collectives", "train", "memory", "overlap", "wire"):
+    for what in ("collectives", "train", "memory", "wire"):
         with pytest.raises(SystemExit):
             main([what, "--variants", "exact"])
 
