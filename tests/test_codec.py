@@ -343,9 +343,9 @@ def test_bad_out_and_payload():
 
 @pytest.mark.parametrize("impl", ["eager", "torch"])
 def test_parameters_quantize_on_every_path(impl):
-    """An nn.Parameter (a leaf that requires grad) is read like any tensor: the eager
-    path used to raise "a leaf Variable that requires grad is being used in an in-place
-    operation"; the same bytes as its data, and no graph built."""
+    """An nn.Parameter (a leaf that requires grad) is read like any tensor, not refused
+    ("a leaf Variable that requires grad is being used in an in-place operation"): the
+    same bytes as its data, and no graph built."""
     cfg = QuantConfig(bits=4, bucket_size=64)
     w = torch.nn.Parameter(torch.randn(3 * 64 + 5))
     p = quantize(w, cfg, seed=1, impl=impl)

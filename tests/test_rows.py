@@ -149,8 +149,8 @@ def test_long_strided_rows_decode_one_row_a_call(dtype, monkeypatch):
 def test_compiled_rows_match_eager(bits):
     """The compiled graphs of rows (a [rows, buckets, B] graph beside the [buckets, B]
     one, the unrolled sum) give the eager bytes and values, and new lengths and row
-    strides reuse them (8 bits once failed on the second size: AOT autograd fixed the
-    size of the payload buffer two mutated views came from)."""
+    strides reuse them (a second size is where AOT autograd would fix the size of the
+    payload buffer two mutated views come from, at 8 bits)."""
     from torch._dynamo.utils import counters
 
     cfg = QuantConfig(bits=bits, bucket_size=B)

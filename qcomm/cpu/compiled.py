@@ -24,7 +24,7 @@ tensors in the same order; such a function must give the same result when run tw
 (:func:`qcomm.cpu.quantize.encode_buckets` from 16-bit inputs: it writes its metadata and
 returns its codes). Any other call goes through Dynamo as before, which then may add its
 signature. Calls run with grad mode off, so it is one state for every call (Dynamo
-guards on it: a caller's grad mode used to recompile the graphs).
+guards on it: under a caller's grad mode the graphs would recompile).
 """
 
 from __future__ import annotations
