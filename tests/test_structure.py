@@ -60,16 +60,21 @@ def follow(call, tensor: torch.Tensor) -> tuple[list[tuple[str, str]], collectio
 N = 1 << 12
 
 
-@pytest.mark.parametrize("collective, most", [("all_gather", 2), ("reduce_scatter", 2),
-                                              ("all_reduce", 3)])
+@pytest.mark.parametrize("collective, most", [("all_gather", 2), ("backend all_gather", 2),
+                                              ("reduce_scatter", 2), ("all_reduce", 3)])
 def test_an_input_enters_each_file_at_most_twice(collective, most):
     from bench.simulated import simulated_group
+    from torch._C._distributed_c10d import AllgatherOptions
 
     group = simulated_group(2, compile=False)
     x, full = torch.randn(N), torch.randn(2 * N)
     if collective == "all_gather":
         out = torch.empty(2 * N)
         call, tensor = (lambda: qcomm.all_gather_into_tensor(out, x, group)), x
+    elif collective == "backend all_gather":  # torch's entry point, synchronous: this thread
+        out, opts = torch.empty(2 * N), AllgatherOptions()
+        opts.asyncOp = False
+        call, tensor = (lambda: group.all_gather_single(out, x, opts)), x
     elif collective == "reduce_scatter":
         out = torch.empty(N)
         call, tensor = (lambda: qcomm.reduce_scatter_tensor(out, full, group=group)), full
@@ -79,5 +84,6 @@ def test_an_input_enters_each_file_at_most_twice(collective, most):
     seen, stays = follow(call, tensor)
     route = " -> ".join(f"{f}:{fn}" for f, fn in seen)
     # the trace saw the whole compressed call: the codec's quantize on the CPU path
-    assert "qcomm/cpu/quantize.py" in stays and qcomm.stats(group)[collective].calls_compressed
+    kind = collective.split()[-1]
+    assert "qcomm/cpu/quantize.py" in stays and qcomm.stats(group)[kind].calls_compressed
     assert max(stays.values()) <= most, (stays.most_common(3), route)
