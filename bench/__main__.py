@@ -6,9 +6,9 @@
     python -m bench collectives --link 1gbit    # two namespaces behind a shaped link
     python -m bench collectives --config exact --config bits=4,scheme=nuq
                                                 # variants in qcomm's config keys (QCOMM_*)
-    python -m bench train                       # FSDP2 training, exact vs quantized
     python -m bench collectives --link 100mbit --overlap
                                                 # async_op=True behind compute
+    python -m bench train                       # FSDP2 training, exact vs quantized
     python -m bench memory                      # peak RSS: FSDP2 vs qcomm.fsdp's state
     python -m bench launches                    # codec calls and launches per collective
     python -m bench wire                        # FSDP2's bytes as the interface counts them
