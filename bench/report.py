@@ -282,41 +282,41 @@ def pick(rows: list[dict], **match) -> dict:
     return found[0]
 
 
-def _loss(rows):
-    r = pick(rows, variant="w8g8")
+def _loss(result):
+    r = pick(result.rows, variant="bits=8")
     verdict = "within noise" if not r["significant_95"] else "a significant difference"
-    return (f"**The same loss**: 8-bit weights and gradients end 1200 steps "
-            f"{r['paired_diff_pct']:+.1f}% from fp32, {verdict}")
+    return (f"**The same loss**: 8-bit weights and gradients end {result.header['train']['steps']}"
+            f" steps {r['paired_diff_pct']:+.1f}% from exact, {verdict}")
 
 
-def _gather(rows):
-    pair = [pick(rows, collective="all_gather", size=2**26, variant=v)["speedup"]
+def _gather(result):
+    pair = [pick(result.rows, collective="all_gather", size=2**26, variant=v)["speedup"]
             for v in ("bits=8", "bits=4")]
     return (f"**{pair[0]:.1f}x faster** 64 MiB all-gathers than gloo at 1 Gbit/s with "
             f"8 bits, {pair[1]:.1f}x with 4")
 
 
-def _memory(rows):
-    r = pick(rows, variant="bits=4,ag_rounding=nearest,ag_bucket=128,deltas=1")
+def _memory(result):
+    r = pick(result.rows, variant="bits=4,ag_rounding=nearest,ag_bucket=128,deltas=1")
     return (f"**{r['over_mib']:+.0f} MiB** peak memory a rank for 4-bit weight differences, "
             f"{r['params'] / 1e6:.0f}M parameters")
 
 
 INTEL = "cpu-intel-r-xeon-r-processor-2c-avx512"
-# (machine, file, the line's words from the file's rows): at most six, each one line.
-HEADLINES: list[tuple[str, str, Callable[[list[dict]], str]]] = [
-    (INTEL, "wire-unshaped", lambda rows: (
-        f"**{pick(rows, model='demo', variant='bits=8')['ratio']:.1f}x fewer bytes** sent "
-        f"for FSDP2 at 8 bits, {pick(rows, model='demo', variant='bits=4')['ratio']:.1f}x "
+# (machine, file, the line's words from the file's Result): at most six, each one line.
+HEADLINES: list[tuple[str, str, Callable[[Result], str]]] = [
+    (INTEL, "wire-unshaped", lambda r: (
+        f"**{pick(r.rows, model='demo', variant='bits=8')['ratio']:.1f}x fewer bytes** sent "
+        f"for FSDP2 at 8 bits, {pick(r.rows, model='demo', variant='bits=4')['ratio']:.1f}x "
         "at 4, counted at the network interface")),
-    ("cpu-amd-epyc-2c-avx512", "train-loopback-1200", _loss),
-    (INTEL, "train-100mbit", lambda rows: (
-        f"**{pick(rows, variant='bits=8')['speedup']:.1f}x faster** FSDP2 steps than gloo at "
+    (INTEL, "train-loopback", _loss),
+    (INTEL, "train-100mbit", lambda r: (
+        f"**{pick(r.rows, variant='bits=8')['speedup']:.1f}x faster** FSDP2 steps than gloo at "
         "100 Mbit/s with 8 bits")),
     (INTEL, "collectives-1gbit", _gather),
-    (INTEL, "train-100mbit-2x2", lambda rows: (
+    (INTEL, "train-100mbit-2x2", lambda r: (
         f"**2 nodes x 2 ranks**: FSDP2 "
-        f"{pick(rows, mode='fsdp2', variant='w8g8-auto')['speedup']:.1f}x faster than gloo "
+        f"{pick(r.rows, mode='fsdp2', variant='w8g8-auto')['speedup']:.1f}x faster than gloo "
         "at 100 Mbit/s, exact inside a node")),
     (INTEL, "memory", _memory),
 ]
@@ -329,7 +329,7 @@ def readme_lines(results: list[Result]) -> list[str]:
         r = by_key.get((machine, name))
         if r is None:
             raise LookupError(f"README line {i} reads {machine}/{name}.json, which is gone")
-        lines.append(f"- {words(r.rows)} ([figures][r{i}])")
+        lines.append(f"- {words(r)} ([figures][r{i}])")
         if len(lines[-1]) > 120:
             raise ValueError(f"README line {i} is over 120 characters: {lines[-1]!r}")
         refs.append(f"[r{i}]: docs/results.md#{r.anchor}")

@@ -615,9 +615,6 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
                    help="read only this many training bytes (tests)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run, all in")
     p.add_argument("--op-timeout", type=float, default=600)
-    p.add_argument("--add-to", default=None, metavar="RUNS_JSON",
-                   help="a previous train-*-runs.json: its runs join this summary (the same "
-                        "model and link; e.g. one more config against the same exact seeds)")
 
 
 def resolve(args, parsed) -> str | None:
@@ -677,12 +674,6 @@ def _main(args, parsed, lead: bool) -> int:
     header["layout"], header["mesh"] = args.layout, args.mesh  # mesh: ranks by node
     print(common.format_header(header), flush=True)
     rows = []
-    if args.add_to:  # earlier runs of the same set-up; the pairs run now replace theirs
-        earlier = json.loads(Path(args.add_to).read_text())
-        now = {(m, v, s) for m in args.mode for v, _ in args.config for s in args.seeds}
-        rows = [r for r in earlier["runs"]
-                if (r.get("mode", "fsdp2"), r["variant"], r["data_seed"]) not in now]
-        header["added_to"] = earlier["header"]
     try:
         with ShapedLink(args.link) if parsed else contextlib.nullcontext() as link:
             for seed in args.seeds:
@@ -709,15 +700,6 @@ def _main(args, parsed, lead: bool) -> int:
     return 0
 
 
-def replot(runs_json: str) -> Path | None:
-    """Redraw ``<stem>.png`` beside a ``<stem>-runs.json`` (e.g. after ``--add-to`` runs
-    made with ``--no-plot``): ``python -m bench.train --replot RUNS_JSON``."""
-    path = Path(runs_json)
-    rows = json.loads(path.read_text())["runs"]
-    return plot(path.parent, path.name.removesuffix("-runs.json"), rows, summarize(rows)[0])
-
-
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
     worker(json.loads(Path(sys.argv[2]).read_text()))
-elif __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--replot":
-    print(f"# wrote {replot(sys.argv[2])}", file=sys.stderr)
+
