@@ -286,7 +286,7 @@ def _loss(result):
     r = pick(result.rows, variant="bits=8")
     verdict = "within noise" if not r["significant_95"] else "a significant difference"
     return (f"**The same loss**: 8-bit weights and gradients end {result.header['train']['steps']}"
-            f" steps {r['paired_diff_pct']:+.1f}% from exact, {verdict}")
+            f" steps {r['paired_diff_pct']:+.2f}% from exact, {verdict}")
 
 
 def _gather(result):

@@ -22,9 +22,9 @@ the weights (tests, 4 bits: 0.05-0.07% instead of 9.8%). ``ref`` starts at zero,
 first gather is a plain quantized gather and each later one refines it (FSDP2 gathers
 every module in forward and again in backward; the backward gather sends the forward
 one's residual). Every call has the same size on the wire, so ranks never disagree on
-what a call sends. Measured (README, 1200 steps, 3 paired seeds): W4G4 +0.36% held-out
-loss against fp32 communication with differences, +2.84% without; 2-bit differences
--0.07%.
+what a call sends. Measured (docs/results.md, ``train-loopback-1200``: 1200 steps, 3
+paired seeds): W4G4 +0.36% held-out loss against fp32 communication with differences,
++2.84% without; 2-bit differences -0.07%.
 
 :class:`ErrorFeedbackReduceScatter` does the same for gradients: each rank adds what
 its previous quantized send of a chunk left out to the chunk it sends next. Measured,
@@ -82,7 +82,7 @@ STATE_DTYPE = "dtype"   # the tensors' own dtype (2 bytes for bf16), rounded to 
 # The default: 8-bit minmax codes, rounded to nearest, 1.06 bytes an element (128-element
 # buckets: 8 bytes of [min, step] each). What it rounds off (at most half a step, 1/510
 # of a bucket's range) the next difference sends: the weights' error stays the 4-bit
-# difference's, not the state's (README, 1200 steps).
+# difference's, not the state's (docs/results.md, ``train-loopback-1200``).
 DEFAULT_STATE = QuantConfig(bits=8, bucket_size=128, scheme="minmax", rounding="nearest")
 
 
