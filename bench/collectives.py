@@ -574,6 +574,8 @@ def resolve(args) -> str | None:
         return str(err)
     if args.rounds < 1:
         return f"--rounds must be >= 1, got {args.rounds}"
+    if args.overlap and args.backend == "nccl":
+        return "--overlap times CPU matmuls against the call: it runs with --backend gloo"
     if args.node_of_rank is not None:
         args.world = len(args.node_of_rank)
     elif args.world is None:

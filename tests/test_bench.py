@@ -297,6 +297,8 @@ def test_node_flags(capsys):
     args = parser().parse_args(["collectives", "--nodes", "2", "--ranks-per-node", "2",
                                 "--link", "100mbit", "--rounds", "3"])
     assert collectives.resolve(args) is None
+    on_nccl = parser().parse_args(["collectives", "--overlap", "--backend", "nccl"])
+    assert "runs with --backend gloo" in collectives.resolve(on_nccl)
     assert args.world == 4 and args.node_of_rank == [0, 0, 1, 1]
     assert [c[0] for c in args.config] == list(collectives.NODE_CONFIGS) and args.rounds == 3
     assert args.config[2][1] == {"QCOMM_BITS": "8", "QCOMM_TOPOLOGY": "auto"}

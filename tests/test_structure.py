@@ -63,8 +63,9 @@ N = 1 << 12
 @pytest.mark.parametrize("collective, most", [("all_gather", 2), ("backend all_gather", 2),
                                               ("reduce_scatter", 2), ("all_reduce", 3)])
 def test_an_input_enters_each_file_at_most_twice(collective, most):
-    from bench.simulated import simulated_group
     from torch._C._distributed_c10d import AllgatherOptions
+
+    from bench.simulated import simulated_group
 
     group = simulated_group(2, compile=False)
     x, full = torch.randn(N), torch.randn(2 * N)
