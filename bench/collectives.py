@@ -216,12 +216,16 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _call(case: Case, variant: str, vgroup, dist) -> Callable[[], None]:
+def _call(case: Case, variant: str, vgroup, dist, async_op: bool = False) -> Callable:
+    """``variant``'s call on ``case``; with ``async_op`` it returns the Work (bf16's cast
+    around the exact call has none)."""
     if variant == "exact":
-        return _exact(case, vgroup, dist)
+        return _exact(case, vgroup, dist, async_op)
     if variant == "bf16":
+        if async_op:
+            raise ValueError("bf16 has no asynchronous form")
         return _bf16(case, vgroup, dist)
-    return _qcomm(case, vgroup)
+    return _qcomm(case, vgroup, async_op)
 
 
 def _compute(units: int, ab: tuple) -> None:
@@ -236,9 +240,7 @@ def _overlap(case: Case, variant: str, vgroup, dist, timer: Timer, units: int,
              ab: tuple) -> tuple[list[float], list[float]]:
     """``--overlap``: the call then ``units`` of compute (serial), and the call with
     ``async_op=True``, the compute, then ``wait()`` (overlapped); each call's seconds."""
-    sync = _call(case, variant, vgroup, dist)
-    start = (_exact(case, vgroup, dist, async_op=True) if variant == "exact"
-             else _qcomm(case, vgroup, async_op=True))
+    sync, start = _call(case, variant, vgroup, dist), _call(case, variant, vgroup, dist, True)
 
     def overlapped():
         work = start()

@@ -71,7 +71,7 @@ class SimulatedPeers:
 
 
 def simulated_group(world: int, bits: int = 8, rank: int = 0,
-                    compile: bool | None = None) -> qcomm.QcommProcessGroup:  # noqa: A002
+                    compile: bool | None = None) -> qcomm.QcommProcessGroup:
     """A qcomm group over :class:`SimulatedPeers` (flat: every simulated peer is on this
     machine, which the topology would send exact), ``bits`` for every collective;
     ``compile`` as :class:`qcomm.CommConfig`'s."""

@@ -702,4 +702,3 @@ def _main(args, parsed, lead: bool) -> int:
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
     worker(json.loads(Path(sys.argv[2]).read_text()))
-

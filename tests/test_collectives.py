@@ -477,13 +477,12 @@ def _launch_counts(rank, world):
     (:mod:`bench.simulated`: the whole call runs, the peers' payloads copies of this
     rank's), 3001 elements per rank in pieces of 1024 (3 pieces, the last with a
     partial bucket); eager path."""
-    from bench.simulated import SimulatedPeers
+    from bench.simulated import simulated_group
     from qcomm import codec, fsdp
     from qcomm.cpu import common
 
-    config = CommConfig(all_gather=Q8, reduce_scatter=Q8, all_reduce=Q8, topology="flat",
-                        compile=False)
-    pg = qcomm.QcommProcessGroup(SimulatedPeers(world, rank), config, owns_inner=False)
+    pg = simulated_group(world, bits=8, rank=rank, compile=False)
+    assert pg.config.all_gather == Q8  # 8 bits in buckets of 1024 for every collective
     n = 3001
     calls = {
         "all_gather": lambda: qcomm.all_gather_into_tensor(torch.empty(world * n),
