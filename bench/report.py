@@ -263,8 +263,11 @@ def page(results: list[Result]) -> str:
             h = r.header
             out.append(f'<a id="{r.anchor}"></a>\n\n### {r.name}\n')
             out.append(textwrap.fill(VIEWS[h["benchmark"]].about, 92) + "\n")
-            out.append(f"`{h['command']}`  \nqcomm {r.commit}, torch {h['versions']['torch']}, "
-                       f"link {h.get('link', 'loopback')}, {h['date'][:10]}\n")
+            # the QCOMM_* variables a run recorded are part of its command
+            env = "".join(f"{k}={v} " for k, v in sorted(h.get("env", {}).items()))
+            out.append(f"`{env}{h['command']}`  \nqcomm {r.commit}, "
+                       f"torch {h['versions']['torch']}, link {h.get('link', 'loopback')}, "
+                       f"{h['date'][:10]}\n")
             out.append("\n".join(table(r)) + "\n")
             if r.png:
                 out.append(f"![{r.name}](../bench/results/{r.machine}/{r.name}.png)\n")
