@@ -1,7 +1,6 @@
 """``python -m bench <what> [options]``: one entry point for every benchmark.
 
     python -m bench codec                       # quantize/dequantize vs memcpy
-    python -m bench rows                        # one codec call per payload vs per piece
     python -m bench collectives                 # ranks on loopback (self-launched)
     python -m bench collectives --link 1gbit    # two namespaces behind a shaped link
     python -m bench collectives --config exact --config bits=4,scheme=nuq
@@ -10,9 +9,9 @@
                                                 # async_op=True behind compute
     python -m bench train                       # FSDP2 training, exact vs quantized
     python -m bench memory                      # peak RSS: FSDP2 vs qcomm.fsdp's state
-    python -m bench launches                    # codec calls and launches per collective
     python -m bench wire                        # FSDP2's bytes as the interface counts them
-    python -m bench breakeven                   # W ranks simulated: where compression pays
+    python -m bench breakeven                   # W ranks simulated: codec calls, launches,
+                                                # and where compression pays
     python -m bench soak                        # 10,000 mixed collectives, every result checked
     python -m bench report                      # docs/results.md and README's results
 
@@ -38,10 +37,8 @@ from . import (
     codec,
     collectives,
     common,
-    launches,
     memory,
     report,
-    rows,
     soak,
     train,
     wire,
@@ -53,9 +50,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
-    for name, module in (("codec", codec), ("rows", rows), ("collectives", collectives),
+    for name, module in (("codec", codec), ("collectives", collectives),
                          ("train", train), ("memory", memory),
-                         ("launches", launches), ("wire", wire), ("breakeven", breakeven),
+                         ("wire", wire), ("breakeven", breakeven),
                          ("soak", soak)):
         summary = " ".join(module.__doc__.split("\n\n")[0].split()).split(": ", 1)[-1]
         q = sub.add_parser(name, help=summary,

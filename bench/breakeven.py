@@ -1,5 +1,5 @@
-"""``python -m bench breakeven``: what a compressed all-gather and reduce-scatter cost one
-rank at W ranks, measured on one device, and the fastest link on which they still pay.
+"""``python -m bench breakeven``: what a compressed all-gather, reduce-scatter and all-reduce
+cost one rank at W ranks, measured on one device, and the fastest link on which they still pay.
 
 One process plays rank 0 of ``--worlds`` ranks over simulated peers
 (:mod:`bench.simulated`: every exchange completes at once, each peer's payload a copy of
@@ -12,6 +12,10 @@ per rank), the median of ``--iters`` calls after a warm-up:
 - ``exchange``: the part spent in the copies that stand in for the network (a real
   transfer's bytes go by the NIC), subtracted: ``codec = call - exchange``;
 - ``codec calls``: qcomm.codec calls a call makes (constant in W: one per piece);
+- ``launches``: what one call puts on the device: on CUDA its kernels by
+  ``torch.profiler`` (CUDA activity), split into compute kernels, ``Memcpy`` and
+  ``Memset`` (the copies that stand in for the network are among the memcpys); on CPU
+  the torch path's graph and loop calls (``qcomm.cpu.common.calls``);
 - ``saved``: the bytes the call does not send, ``logical - wire`` of ``qcomm.stats``
   (control included);
 - ``break-even``: ``saved / codec``, the per-rank link bandwidth at which the codec's
@@ -25,6 +29,7 @@ per rank), the median of ``--iters`` calls after a warm-up:
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import time
 
@@ -34,20 +39,21 @@ from . import common
 from .common import Column
 from .simulated import simulated_group
 
-COLLECTIVES = ("all_gather", "reduce_scatter")
-COLUMNS = [
-    Column("collective", "collective"),
-    Column("bits", "bits"),
-    Column("world", "W"),
-    Column("numel", "numel/rank"),
-    Column("call_ms", "call(ms)", "{:.3f}"),
-    Column("device_ms", "device(ms)", "{:.3f}"),
-    Column("exchange_ms", "exchange(ms)", "{:.3f}"),
-    Column("codec_ms", "codec(ms)", "{:.3f}"),
-    Column("codec_calls", "codec calls"),
-    Column("saved_mib", "saved(MiB)", "{:.2f}"),
-    Column("breakeven_gbs", "break-even(GB/s)", "{:.2f}"),
-]
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def columns(device: str) -> list[Column]:
+    cols = [Column("collective", "collective"), Column("bits", "bits"), Column("world", "W"),
+            Column("numel", "numel/rank"), Column("call_ms", "call(ms)", "{:.3f}"),
+            Column("device_ms", "device(ms)", "{:.3f}"),
+            Column("exchange_ms", "exchange(ms)", "{:.3f}"),
+            Column("codec_ms", "codec(ms)", "{:.3f}"), Column("codec_calls", "codec calls"),
+            Column("launches", "launches")]
+    if device == "cuda":
+        cols += [Column("kernels", "kernels"), Column("memcpy", "memcpy"),
+                 Column("memset", "memset")]
+    return cols + [Column("saved_mib", "saved(MiB)", "{:.2f}"),
+                   Column("breakeven_gbs", "break-even(GB/s)", "{:.2f}")]
 
 
 def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
@@ -64,6 +70,31 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--iters", type=int, default=5, help="timed calls per point (median)")
 
 
+def launches(fn, device: torch.device) -> dict:
+    """What one call of ``fn`` launches: CUDA kernels by kind, or the CPU torch path's
+    calls."""
+    if device.type != "cuda":
+        from qcomm.cpu import common as cpu_common
+
+        before = sum(cpu_common.calls.values())
+        fn()
+        return {"launches": sum(cpu_common.calls.values()) - before}
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    kinds = collections.Counter()
+    for e in prof.events():
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        kinds["memcpy" if "memcpy" in name else "memset" if "memset" in name
+              else "kernels"] += 1
+    return {"launches": sum(kinds.values()), **kinds}
+
+
 def measure(collective: str, world: int, n: int, bits: int, device: torch.device,
             iters: int) -> dict:
     import qcomm
@@ -78,15 +109,21 @@ def measure(collective: str, world: int, n: int, bits: int, device: torch.device
 
         def call():
             qcomm.all_gather_into_tensor(out, inp, group)
-    else:
+    elif collective == "reduce_scatter":
         inp = torch.randn(world * n, generator=g).to(device)
         out = torch.empty(n, device=device)
 
         def call():
             qcomm.reduce_scatter_tensor(out, inp, group=group)
+    else:  # in place: the simulated sum grows W-fold a call, so each call starts afresh
+        inp = torch.randn(world * n, generator=g).to(device)
+        out = torch.empty_like(inp)
+
+        def call():
+            qcomm.all_reduce(out.copy_(inp), group=group)
     sync = common.sync_fn(device)
     call()  # warm-up: compile, buffers, the config agreement
-    call()
+    launched = launches(call, device)
     qcomm.stats(group, reset=True)
     sim.seconds, codec.calls = 0.0, type(codec.calls)()
     walls, devices = [], []
@@ -113,12 +150,14 @@ def measure(collective: str, world: int, n: int, bits: int, device: torch.device
             "call_ms": 1e3 * call_s,
             "device_ms": 1e3 * statistics.median(devices) if devices else None,
             "exchange_ms": 1e3 * exchange_s, "codec_ms": 1e3 * codec_s,
-            "codec_calls": sum(codec.calls.values()) // iters,
+            "codec_calls": sum(codec.calls.values()) // iters, **launched,
             "saved_mib": saved / 2**20, "breakeven_gbs": saved / codec_s / 1e9}
 
 
 def main(args) -> int:
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench breakeven --device cuda: torch sees no CUDA device here")
     header = common.start_local("breakeven", args, {
         "sizes": args.sizes, "worlds": args.worlds, "bits": args.bits,
         "collectives": args.collectives, "iters": args.iters})
@@ -128,7 +167,8 @@ def main(args) -> int:
             for world in args.worlds:
                 for n in args.sizes:
                     rows.append(measure(collective, world, n, bits, device, args.iters))
-    common.report("breakeven", header, COLUMNS, rows, args.out, f"breakeven-{device.type}")
+    common.report("breakeven", header, columns(device.type), rows, args.out,
+                  f"breakeven-{device.type}")
     for r in rows:
         if r["world"] == 8 and r["bits"] == 8 and r["numel"] == max(args.sizes):
             print(f"#  {r['collective']}, W = 8, 8 bits, {r['numel']} elements a rank: "

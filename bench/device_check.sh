@@ -12,22 +12,18 @@
 #      machine's torch (not CI's) with CUDA hidden. pytest is interrupted with SIGINT at
 #      its limit, so it still prints its short summary, and writes -rf lines and JUnit
 #      XML: every failure is named even when cut;
-#   2c. codec calls, kernel launches and time per compressed call against the exact
-#      one, W = 1 over NCCL and W = 2 over gloo on CUDA tensors (bench launches);
-#      2d. W = 8 and 64 ranks simulated on the GPU: codec time and the break-even link
-#      bandwidth (bench breakeven);
+#   2. W = 2, 8 and 64 ranks simulated on the GPU: codec calls, kernel launches, host
+#      and device time per compressed call, and the break-even link (bench breakeven);
 #   3. codec throughput against a same-run copy: fp32 Triton and torch.compile, then
-#      bf16/fp16 Triton; 3c. the row kernels per piece (bench rows); 3d. peak GPU memory
-#      of FSDP2, plain against qcomm.fsdp's state, 2 ranks (gloo on one GPU, each rank a
-#      node: compressed).
+#      bf16/fp16 Triton; 3c. peak GPU memory of FSDP2, plain against qcomm.fsdp's state,
+#      2 ranks (gloo on one GPU, each rank a node: compressed).
 # WARPS=1 adds 4. the codec for 1, 2 and 4 warps per bucket program (~2.5 minutes more).
 #
 # Output: $OUT/summary.txt (one line a phase: its exit code and verdict; the names of
 # failed tests), $OUT/log.txt, and $OUT/results.tgz (re-packed after every phase). Its
 # benchmark JSON/CSV go to bench/results/nvidia-h200/ as `python -m bench report` reads
 # them: codec-fp32/codec.* as codec.*, codec-half/codec.* as codec-half.*, warps-N/codec.*
-# as codec-warps-N.*, memory/memory-cuda.* as memory.*, launches/launches-cuda.* as
-# launches.*, breakeven/*, rows/* as they are.
+# as codec-warps-N.*, memory/memory-cuda.* as memory.*, breakeven/* as they are.
 set -u
 OUT=${OUT:-/tmp/qcomm-device-out}
 R=/tmp/qcomm-results
@@ -86,15 +82,9 @@ wait
 tail -n 3 "$R/test_gpu.log" "$R/test_cpu_local.log"
 pack
 
-log "phase 2c: codec calls, launches and time per call, W = 1 NCCL and W = 2 gloo (CUDA)"
-run "2c launches" 30 "$R/launches.log" $PY -m bench launches --device cuda --worlds 1,2 \
-  --sizes 10..22:4 --iters 10 --no-plot --out "$R/launches"
-tail -n 20 "$R/launches.log"
-pack
-
-log "phase 2d: W ranks simulated on the GPU: codec time and the break-even link"
-run "2d breakeven" 45 "$R/breakeven.log" $PY -m bench breakeven --device cuda \
-  --sizes 20..24:2 --worlds 8,64 --bits 8,4 --no-plot --out "$R/breakeven"
+log "phase 2: W ranks simulated on the GPU: codec calls, launches, time, the break-even link"
+run "2 breakeven" 60 "$R/breakeven.log" $PY -m bench breakeven --device cuda \
+  --sizes 20..24:2 --worlds 2,8,64 --bits 8,4 --no-plot --out "$R/breakeven"
 grep "^#  " "$R/breakeven.log"
 pack
 
@@ -105,13 +95,8 @@ log "phase 3b: codec bf16/fp16, triton vs copy"
 run "3b codec half" 25 "$R/codec-half.log" $PY -m bench codec --impls triton \
   --dtypes bfloat16,float16 --schemes all --bits 2,4,8 --sizes 24..28:2 --no-plot \
   --out "$R/codec-half"
-log "phase 3c: one launch per piece (row kernels) vs one per payload, W = 2-16"
-run "3c rows" 35 "$R/rows.log" $PY -m bench rows --device cuda --worlds 2,8,16 \
-  --sizes 16..24:4 --no-plot --out "$R/rows"
-tail -n 12 "$R/rows.log"
-pack
-log "phase 3d: peak GPU memory per rank, plain FSDP2 vs qcomm.fsdp's state (2 ranks)"
-run "3d memory" 60 "$R/memory-cuda.log" $PY -m bench memory --device cuda --world 2 \
+log "phase 3c: peak GPU memory per rank, plain FSDP2 vs qcomm.fsdp's state (2 ranks)"
+run "3c memory" 60 "$R/memory-cuda.log" $PY -m bench memory --device cuda --world 2 \
   --no-plot --out "$R/memory"
 tail -n 8 "$R/memory-cuda.log"
 pack

@@ -385,7 +385,7 @@ def worker_done(spec: dict, rank: int, result) -> None:
     process, without the interpreter's teardown: there a C++ thread of torch's still
     joinable at exit aborts a rank now and then ("terminate called without an active
     exception", exit -6), after everything has completed (bench collectives: about one
-    2-rank --link run in six before; bench launches: once in a clean-clone suite)."""
+    2-rank --link run in six before; once in a clean-clone suite in a two-rank benchmark)."""
     import json
 
     import torch.distributed as dist

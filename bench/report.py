@@ -153,24 +153,12 @@ VIEWS: dict[str, View] = {
         (("variant", "variant", "{}"), ("params", "parameters", "{}"),
          ("peak_mib", "peak MiB", "{:.0f}"), ("over_mib", "over FSDP2 MiB", "{:+.0f}"),
          ("state_per_param", "state B/param", "{:.3g}"))),
-    "rows": View(
-        "One codec call for a whole payload of W rows against one call per piece; the "
-        "largest size.",
-        (("op", "op", "{}"), ("world", "W", "{}"), ("numel", "elements", "{}"),
-         ("loop_us", "per piece us", "{:.0f}"), ("rows_us", "rows us", "{:.0f}"),
-         ("speedup", "speedup", "{:.2f}x"), ("rows_frac", "of copy", "{:.2f}")), largest=1),
-    "launches": View(
-        "Codec calls and device launches per collective, and its time against the exact "
-        "call; the largest size.",
-        (("collective", "collective", "{}"), ("world", "W", "{}"), ("backend", "inner", "{}"),
-         ("numel", "elements", "{}"), ("variant", "variant", "{}"),
-         ("codec", "codec calls", "{}"), ("launches", "launches", "{}"),
-         ("time_us", "us", "{:.0f}"), ("vs_exact", "vs exact", "{:.2f}x")), largest=1),
     "breakeven": View(
-        "W ranks simulated on one core: the codec's time a call, and the link speed below "
-        "which compression saves time.",
+        "W ranks simulated on one device: the codec's calls, launches and time a call, and "
+        "the link speed below which compression saves time.",
         (("collective", "collective", "{}"), ("bits", "bits", "{}"), ("world", "W", "{}"),
-         ("numel", "elements", "{}"), ("codec_ms", "codec ms", "{:.2f}"),
+         ("numel", "elements", "{}"), ("codec_calls", "codec calls", "{}"),
+         ("launches", "launches", "{}"), ("codec_ms", "codec ms", "{:.2f}"),
          ("exchange_ms", "exchange ms", "{:.2f}"),
          ("breakeven_gbs", "break-even GB/s a rank", "{:.2f}"))),
     "soak": View(

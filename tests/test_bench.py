@@ -15,7 +15,6 @@ import torch
 
 import qcomm
 from bench import collectives, common, link, train
-from bench import rows as rows_bench
 from bench.__main__ import main, parser
 
 ROOT_AND_IP = os.geteuid() == 0 and shutil.which("ip") is not None
@@ -90,48 +89,6 @@ def test_table_and_header():
     assert isa and isa in text
     if isa != "DEFAULT":
         assert common.machine_name(h).endswith("-" + isa.lower())
-
-
-def test_rows(tmp_path):
-    """One codec call for all rows, on every op: one per payload (or qcomm.fsdp's three
-    calls of a state update) against one."""
-    assert main(["rows", "--ops", ",".join(rows_bench.OPS), "--worlds", "2,4", "--sizes",
-                 "1000", "--bits", "4", "--iters", "1", "--budget", "0", "--out",
-                 str(tmp_path), "--no-plot"]) == 0
-    _, rows = _load(tmp_path / ("rows-" + "+".join(rows_bench.OPS) + ".json"))
-    assert len(rows) == len(rows_bench.OPS) * 2
-    for r in rows:
-        loop = {"ag-decode": r["world"], "rs-encode": r["world"] - 1, "rs-decode": r["world"] - 1,
-                "delta-update": 3}[r["op"]]
-        assert (r["loop_calls"], r["rows_calls"]) == (loop, 1), r
-        assert r["rows_gbps"] > 0 and r["copy_gbps"] > 0
-        assert r["rows_frac"] == pytest.approx(r["rows_gbps"] / r["copy_gbps"])
-    # the bytes each op reads and writes: a 4-bit payload of 1000 elements is a 32-byte
-    # header, one bucket's [min, step] (8 bytes) and 500 code bytes, padded to 544
-    assert qcomm.packed_nbytes(1000, qcomm.QuantConfig(bits=4)) == 544
-    got = {r["op"]: r["bytes"] for r in rows if r["world"] == 4}
-    assert got["ag-decode"] == 4 * (544 + 4000)
-    assert got["rs-encode"] == 3 * (4000 + 544)
-    assert got["rs-decode"] == 3 * 544 + 8000
-    with pytest.raises(SystemExit):
-        main(["rows", "--ops", "ag-decode,bogus"])
-
-
-def test_launches(tmp_path):
-    """Codec calls per collective: none at W = 1 (no peer: exact) and for the exact
-    calls; at W = 2 one piece's quantize and decode (all-gather, reduce-scatter), both
-    for the all-reduce; and the torch path's launches behind them. (3000 elements:
-    above CommConfig.min_numel, 1024, so compressed.)"""
-    assert main(["launches", "--worlds", "1,2", "--sizes", "3000", "--iters", "1",
-                 "--out", str(tmp_path), "--no-plot"]) == 0
-    _, rows = _load(tmp_path / "launches.json")
-    assert len(rows) == 2 * 3 * 2  # worlds x collectives x variants
-    want = {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 4}
-    for r in rows:
-        compressed = r["world"] == 2 and r["variant"] == "qcomm8"
-        assert r["codec"] == (want[r["collective"]] if compressed else 0), r
-        assert (r["launches"] >= r["codec"] > 0) if compressed else r["launches"] == 0, r
-        assert r["time_us"] > 0 and r["vs_exact"] > 0
 
 
 def test_codec(tmp_path, capsys):
@@ -465,7 +422,7 @@ def test_memory_bench_on_cuda_without_a_gpu_says_so():
     with pytest.raises(SystemExit, match="--device cuda: torch sees no CUDA device"):
         main(["memory", "--device", "cuda", "--layers", "1", "--width", "64"])
     with pytest.raises(SystemExit, match="--device cuda: torch sees no CUDA device"):
-        main(["launches", "--device", "cuda"])
+        main(["breakeven", "--device", "cuda"])
 
 
 def test_a_dirty_tree_is_named_by_its_diff(monkeypatch):

@@ -58,8 +58,8 @@ def dequantize(meta: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, confi
 # 2^17 3.60 / 4.45, 2^18 2.44 / 2.11, 2^19 2.27 / 1.64, 2^20 2.40 / 1.22; R = 8 2^17
 # 7.30 / 11.80, 2^18 7.80 / 7.95, 2^19 8.06 / 6.51, 2^20 38.0 / 5.74; 8 bits R = 8 2^18
 # 9.80 / 8.44, 2^19 11.47 / 7.48, 2^20 38.9 / 6.07. Into contiguous rows the rows graph
-# stays ahead (`python -m bench rows`: 1.2-2.0x at 2^20). Below the split the fixed
-# ~90 us of each extra call costs more than the graph loses.
+# stays ahead (1.2-2.0x at 2^20: `bench/rows.py`, in git history at 661a74f). Below the
+# split the fixed ~90 us of each extra call costs more than the graph loses.
 STRIDED_ROWS_SPLIT = 1 << 18
 
 # Elements decoded at once into a 16-bit output where it is staged: 2^18, 1 MiB of fp32

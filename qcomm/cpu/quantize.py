@@ -228,7 +228,8 @@ ENCODE_CHUNK = 1 << 24
 # Rows longer than this are quantized one row per graph call: past it a row's call costs
 # far more than its fixed ~50-100 us, and the [rows, buckets, B] graph ran 0.59-0.85x
 # as fast as one call per row at 2^20 elements a row, W = 4-16, while 1.02-1.24x at
-# 2^18 (8 bits, fp32, AMD EPYC 2 cores AVX-512, `python -m bench rows`).
+# 2^18 (8 bits, fp32, AMD EPYC 2 cores AVX-512; `bench/rows.py`, in git history at
+# 661a74f).
 ROWS_SPLIT = 1 << 18
 # Elements of a bf16/fp16 tensor converted to fp32 at a time before a nuq quantize (a
 # 16 MiB buffer, under the same ceiling). nuq from bf16, 1 thread, Zen 3, G elements/s,
