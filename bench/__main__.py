@@ -8,8 +8,8 @@
     python -m bench collectives --link 100mbit --overlap
                                                 # async_op=True behind compute
     python -m bench train                       # FSDP2 training, exact vs quantized
+    python -m bench train --link unshaped       # two hosts: the bytes each interface sent
     python -m bench memory                      # peak RSS: FSDP2 vs qcomm.fsdp's state
-    python -m bench wire                        # FSDP2's bytes as the interface counts them
     python -m bench breakeven                   # W ranks simulated: codec calls, launches,
                                                 # and where compression pays
     python -m bench soak                        # 10,000 mixed collectives, every result checked
@@ -41,7 +41,6 @@ from . import (
     report,
     soak,
     train,
-    wire,
 )
 
 
@@ -50,10 +49,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
-    for name, module in (("codec", codec), ("collectives", collectives),
-                         ("train", train), ("memory", memory),
-                         ("wire", wire), ("breakeven", breakeven),
-                         ("soak", soak)):
+    for name, module in (("codec", codec), ("collectives", collectives), ("train", train),
+                         ("memory", memory), ("breakeven", breakeven), ("soak", soak)):
         summary = " ".join(module.__doc__.split("\n\n")[0].split()).split(": ", 1)[-1]
         q = sub.add_parser(name, help=summary,
                            description=module.__doc__,

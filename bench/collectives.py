@@ -4,7 +4,7 @@ qcomm at 8/4/2 bits vs a plain bf16 cast, in nccl-tests' layout.
 The ranks are started by the benchmark itself (:func:`bench.link.run_spec`): on
 loopback, or with ``--link RATE`` as two hosts (network namespaces) joined by a link
 shaped to RATE. Several rates (``--link loopback,1gbit,100mbit``) run one after the
-other and add a plot of the speedup over exact against the link rate.
+other, a result file each.
 
 Columns, as nccl-tests defines them (``world`` ranks, ``t`` the median time per call):
 
@@ -430,49 +430,7 @@ def plot_busbw(folder: Path, stem: str, rows: list[dict], header: dict):
                  + f", {common.machine_name(header)}", logy=True)
 
 
-def plot_speedup(folder: Path, layout: str | None = None):
-    """Speedup over exact vs link rate at the largest size all runs share, from every
-    ``collectives-*.json`` in ``folder`` of the same node ``layout`` (loopback drawn
-    right of the fastest rate)."""
-    runs = []
-    for path in sorted(folder.glob("collectives-*.json")):
-        data = json.loads(path.read_text())
-        sweep = data["header"].get("sweep", {})
-        if data["header"].get("layout") != layout or sweep.get("overlap"):
-            continue
-        parsed = parse_rate(data["header"]["link"])
-        runs.append((parsed[1] if parsed else None, data["rows"]))
-    if len(runs) < 2:
-        return None
-    fastest = max((r for r, _ in runs if r), default=10**9)
-    runs = [(r if r else fastest * 10, rows) for r, rows in runs]
-    runs.sort(key=lambda item: item[0])
-    panels = {}
-    for coll in COLLECTIVES:
-        series = {}
-        shared = set.intersection(*({r["size"] for r in rows if r["collective"] == coll}
-                                    for _, rows in runs))
-        if not shared:
-            continue
-        biggest = max(shared)
-        for rate, rows in runs:
-            sel = [r for r in rows if r["collective"] == coll and r.get("speedup")]
-            for r in sel:
-                if r["size"] == biggest and r["variant"] != "exact":
-                    xs, ys = series.setdefault(f"{r['variant']} ({common.human_bytes(biggest)})",
-                                               ([], []))
-                    xs.append(rate / 1e6)
-                    ys.append(r["speedup"])
-        if series:
-            panels[coll] = series
-    suffix = f"-{layout}" if layout else ""
-    return common.plot_lines(
-        folder / f"speedup-vs-link{suffix}.png", panels,
-        xlabel="link rate (Mbit/s; rightmost: loopback)",
-        ylabel="speedup over exact", suptitle="qcomm speedup vs link rate", hline=1.0)
-
-
-def run_one(args, rate: str | None) -> Path:
+def run_one(args, rate: str | None) -> None:
     """Launch the ranks for one link rate; print and write the results."""
     tag = rate or "loopback"
     device = "cuda (nccl)" if args.backend == "nccl" else "cpu (gloo)"
@@ -513,7 +471,6 @@ def run_one(args, rate: str | None) -> Path:
     print(f"# wrote {folder}/{stem}.json, .csv", file=sys.stderr)
     if not args.no_plot and plot_busbw(folder, stem, rows, header):
         print(f"# wrote {folder}/{stem}.png", file=sys.stderr)
-    return folder
 
 
 def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
@@ -593,17 +550,12 @@ def main(args) -> int:
     if error:
         print(f"python -m bench collectives: {error}", file=sys.stderr)
         return 2
-    folder = None
     for rate in args.link:
         try:
-            folder = run_one(args, rate)
+            run_one(args, rate)
         except LinkError as err:
             print(f"python -m bench collectives: {err}", file=sys.stderr)
             return 2
-    if folder is not None and not args.no_plot:  # with >= 2 link rates in the folder
-        png = plot_speedup(folder, layout_name(args.node_of_rank))
-        if png:
-            print(f"# wrote {png}", file=sys.stderr)
     return 0
 
 

@@ -136,18 +136,15 @@ VIEWS: dict[str, View] = {
     "train": View(
         "FSDP2 GPT training on text: final held-out loss (mean of runs; the paired difference "
         "to exact over the same seeds, and whether it is significant at 95%), step time, "
-        "speedup over exact and bytes a step.",
+        "speedup over exact and bytes a step; behind a link, the bytes each host's interface "
+        "sent, exact calls' bytes over them, and what qcomm.stats counted over them.",
         (("mode", "mode", "{}"), ("variant", "variant", "{}"), ("runs", "runs", "{}"),
          ("final_eval_mean", "eval loss", "{:.3f}"), ("paired_diff_pct", "vs exact", "{:+.2f}%"),
          ("significant_95", "significant", "{}"), ("step_s", "s/step", "{:.3f}"),
-         ("speedup", "speedup", "{:.2f}x"), ("wire_mb_per_step", "MB/step", "{:.2f}"))),
-    "wire": View(
-        "FSDP2 steps between two hosts: the bytes each host's network interface sent, against "
-        "what qcomm.stats() counted and what exact calls would send.",
-        (("model", "model", "{}"), ("variant", "variant", "{}"),
-         ("logical_mib", "exact MiB", "{:.1f}"), ("iface_mib", "interface MiB", "{:.1f}"),
-         ("ratio", "fewer bytes", "{:.2f}x"), ("of_codec", "of the codec's", "{:.3f}"),
-         ("stats_vs_iface", "counted / sent", "{:.3f}"))),
+         ("speedup", "speedup", "{:.2f}x"), ("wire_mb_per_step", "MB/step", "{:.2f}"),
+         ("iface_mb_per_step", "interface MB/step", "{:.2f}"),
+         ("fewer_bytes", "fewer bytes", "{:.2f}x"),
+         ("counted_vs_iface", "counted / sent", "{:.3f}"))),
     "memory": View(
         "Peak resident memory a rank over training steps, against plain FSDP2.",
         (("variant", "variant", "{}"), ("params", "parameters", "{}"),
@@ -296,9 +293,9 @@ def _memory(result):
 INTEL = "cpu-intel-r-xeon-r-processor-2c-avx512"
 # (machine, file, the line's words from the file's Result): at most six, each one line.
 HEADLINES: list[tuple[str, str, Callable[[Result], str]]] = [
-    (INTEL, "wire-unshaped", lambda r: (
-        f"**{pick(r.rows, model='demo', variant='bits=8')['ratio']:.1f}x fewer bytes** sent "
-        f"for FSDP2 at 8 bits, {pick(r.rows, model='demo', variant='bits=4')['ratio']:.1f}x "
+    (INTEL, "train-unshaped", lambda r: (
+        f"**{pick(r.rows, variant='bits=8')['fewer_bytes']:.1f}x fewer bytes** sent "
+        f"for FSDP2 at 8 bits, {pick(r.rows, variant='bits=4')['fewer_bytes']:.1f}x "
         "at 4, counted at the network interface")),
     (INTEL, "train-loopback", _loss),
     (INTEL, "train-100mbit", lambda r: (

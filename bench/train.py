@@ -40,6 +40,17 @@ inside the node (qcomm.stats' ``inter_node_bytes`` / ``intra_node_bytes`` over e
 group the run used, averaged over the ranks); the summary's ``vs_flat`` is a
 ``topology=auto`` config's step time against the same config's with ``topology=flat``.
 
+Behind ``--link`` (a rate, or ``unshaped``: the two namespaces at the veth's speed) each
+node's interface is read too (``/sys/class/net/<dev>/statistics/tx_bytes``, after a
+barrier, from the end of warm-up to the end): ``iface`` is every byte the hosts sent a
+step, TCP/IP framing and ACKs included; ``fewer_bytes``: what exact calls send across
+under a direct exchange (qcomm.stats' count of the exact run; gloo's own algorithms send
+more, which ``counted/iface`` of exact shows) over a config's ``iface``;
+``counted/iface``: what qcomm.stats counted as sent to other nodes (all ranks) over
+``iface``, the check that the counters miss nothing::
+
+    python -m bench train --link unshaped --config exact --config bits=8 --config bits=4
+
 Ranks: started here (``--world``, loopback or ``--link``), or torchrun's (``torchrun
 --nproc-per-node 2 -m bench train``: every run in those processes, one process group
 after another, over the real network; rank 0 prints and writes the results).
@@ -78,6 +89,7 @@ import torch.nn.functional as F
 from . import common
 from .common import Column
 from .link import (
+    UNSHAPED,
     LinkError,
     ShapedLink,
     add_layout_arguments,
@@ -325,11 +337,19 @@ def worker(spec: dict) -> dict:
         return (total[0] / total[1]).item()
 
     curve, step_times = [], []
+    # behind --link every node is a namespace: its interface's bytes are all it sent
+    counting = spec["link"] not in ("loopback", "torchrun")
+    tx_path = Path(f"/sys/class/net/{os.environ.get('GLOO_SOCKET_IFNAME')}/statistics/tx_bytes")
 
     def read_stats(reset: bool = False) -> list:
         return [s for g in groups for s in qcomm.stats(g, reset=reset).values()]
 
-    read_stats(reset=True)
+    def start_counting() -> int:
+        read_stats(reset=True)
+        dist.barrier()  # every rank's sends of the steps before have left
+        return int(tx_path.read_text()) if counting else 0
+
+    tx = start_counting()
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, spec["lr"], spec["warmup"])
@@ -342,7 +362,7 @@ def worker(spec: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         step_times.append(time.perf_counter() - t)
         if step == spec["warmup_steps"] - 1:
-            read_stats(reset=True)  # bytes per step counted after warm-up
+            tx = start_counting()  # bytes per step counted after warm-up
         if (step + 1) % spec["eval_every"] == 0 or step + 1 == steps:
             curve.append((step + 1, evaluate(), loss.item()))
             if rank == 0:
@@ -362,6 +382,16 @@ def worker(spec: dict) -> dict:
     dist.all_reduce(by_node)  # float64: exact
     intra, inter = (by_node / world).tolist()
     dist.barrier()
+    # what each node's interface sent, once a node (its ranks read the same counter)
+    sent = torch.tensor([float(os.environ.get("GROUP_RANK", rank)),
+                         int(tx_path.read_text()) - tx if counting else 0.0],
+                        dtype=torch.float64)
+    every = torch.empty(2 * world, dtype=torch.float64)
+    dist.all_gather_into_tensor(every, sent)  # 2 elements a rank, below min_numel: exact
+    per_node = {}
+    for node, nbytes in every.view(world, 2).tolist():
+        per_node[node] = max(per_node.get(node, 0.0), nbytes)
+    dist.barrier()
     t_compute = _time_local_step(cfg, B, reps=5)  # both ranks at once, as in training
     timed = step_times[spec["warmup_steps"]:] or step_times
     t_step = statistics.median(timed)
@@ -370,7 +400,8 @@ def worker(spec: dict) -> dict:
            "tokens_per_s": world * B * T / t_step, "compute_s": t_compute,
            "comm_share": max(0.0, 1 - t_compute / t_step), "wire_bytes_per_step": wire,
            "logical_bytes_per_step": logical, "inter_bytes_per_step": inter,
-           "intra_bytes_per_step": intra, "mode": spec.get("mode", "fsdp2"),
+           "intra_bytes_per_step": intra, "mode": spec.get("mode", "fsdp2"), "world": world,
+           "iface_bytes_per_step": sum(per_node.values()) / counted if counting else None,
            "layout": spec.get("layout"), "link": spec["link"]}
     if spec.get("result"):
         Path(spec["result"] + str(rank)).write_text(json.dumps(row))
@@ -493,10 +524,19 @@ def _summarize_mode(rows: list[dict]) -> tuple[list[dict], list[str]]:
              "comm_share": statistics.median(r["comm_share"] for r in rs),
              "wire_bytes_per_step": statistics.median(r["wire_bytes_per_step"] for r in rs)}
         s["wire_mb_per_step"] = s["wire_bytes_per_step"] / 1e6
-        for where in ("inter", "intra"):  # runs from before the node counters lack them
-            got = [r[f"{where}_bytes_per_step"] for r in rs if f"{where}_bytes_per_step" in r]
+        for where in ("inter", "intra", "iface"):  # older runs lack some of them
+            got = [r[f"{where}_bytes_per_step"] for r in rs if r.get(f"{where}_bytes_per_step")]
             if got:
                 s[f"{where}_mb_per_step"] = statistics.median(got) / 1e6
+        if "iface_mb_per_step" in s:
+            # what qcomm.stats counted as sent to other nodes, all ranks, over what left
+            # the hosts' interfaces (TCP/IP framing, ACKs and barriers included)
+            s["counted_vs_iface"] = statistics.median(
+                r["inter_bytes_per_step"] * r["world"] / r["iface_bytes_per_step"] for r in rs)
+            if base:  # what an exact direct exchange sends across (gloo's own sends more)
+                exact_sent = statistics.median(r["inter_bytes_per_step"] * r["world"]
+                                               for r in base.values())
+                s["fewer_bytes"] = exact_sent / (s["iface_mb_per_step"] * 1e6)
         paired = [100 * (r["final_eval"] / base[r["data_seed"]]["final_eval"] - 1)
                   for r in rs if r["data_seed"] in base]
         if paired and name != "exact":
@@ -538,6 +578,9 @@ SUMMARY_COLUMNS = [
     Column("wire_mb_per_step", "wire_MB", "{:.3f}"),
     Column("inter_mb_per_step", "inter_MB", "{:.3f}"),
     Column("intra_mb_per_step", "intra_MB", "{:.3f}"),
+    Column("iface_mb_per_step", "iface_MB", "{:.3f}"),
+    Column("fewer_bytes", "fewer_bytes", "{:.2f}x"),
+    Column("counted_vs_iface", "counted/iface", "{:.3f}"),
     Column("vs_flat", "vs_flat", "{:.2f}"),
     Column("speedup", "speedup", "{:.2f}"), Column("amdahl_bound", "bound", "{:.2f}"),
     Column("of_bound", "of_bound", "{:.0%}"),
@@ -608,8 +651,10 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--eval-windows", type=int, default=128)
     p.add_argument("--world", type=int, default=None,
                    help="ranks (default 2; with --nodes: nodes x ranks per node)")
-    p.add_argument("--link", default=None,
-                   help="link rate (100mbit, 1gbit): the ranks as two hosts behind it")
+    p.add_argument("--link", type=common.arg(parse_link), default=None,
+                   help="link rate (100mbit, 1gbit) or 'unshaped': the ranks as two hosts "
+                        "(network namespaces, needs root) behind it, each host's interface "
+                        "counted")
     add_layout_arguments(p)
     p.add_argument("--limit-bytes", type=int, default=None,
                    help="read only this many training bytes (tests)")
@@ -617,12 +662,20 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--op-timeout", type=float, default=600)
 
 
-def resolve(args, parsed) -> str | None:
+def parse_link(text: str) -> str | None:
+    """``--link``: :data:`UNSHAPED` or a rate (:func:`parse_rate`); None: loopback."""
+    if text.strip().lower() == UNSHAPED:
+        return UNSHAPED
+    parsed = parse_rate(text)
+    return parsed and parsed[0]
+
+
+def resolve(args) -> str | None:
     """Fill in the layout (``args.node_of_rank``, ``args.mesh``: HSDP's rows of ranks by
     node), world and configs; the error text of a bad combination, else None."""
     try:
         args.node_of_rank = node_layout(args.nodes, args.ranks_per_node, args.world,
-                                        args.rank_order, link=parsed is not None)
+                                        args.rank_order, link=args.link is not None)
     except ValueError as err:
         return str(err)
     args.layout = layout_name(args.node_of_rank)
@@ -630,7 +683,7 @@ def resolve(args, parsed) -> str | None:
         args.config = [parse_config(c) for c in (NODE_CONFIGS if args.node_of_rank
                                                  else CONFIGS)]
     if under_torchrun():
-        if parsed or args.node_of_rank:
+        if args.link or args.node_of_rank:
             return ("under torchrun the nodes and the link are torchrun's (real hosts and "
                     "network); drop --link and --nodes")
         args.world, args.link_name, args.mesh = int(os.environ["WORLD_SIZE"]), "torchrun", None
@@ -638,7 +691,7 @@ def resolve(args, parsed) -> str | None:
     if args.node_of_rank is not None:
         args.world = len(args.node_of_rank)
     args.world = args.world or 2
-    nodes = args.node_of_rank or default_nodes(args.world, parsed is not None)
+    nodes = args.node_of_rank or default_nodes(args.world, args.link is not None)
     args.mesh = [[r for r, n in enumerate(nodes) if n == node] for node in sorted(set(nodes))]
     if "hsdp" in args.mode and len({len(row) for row in args.mesh}) > 1:
         return (f"--mode hsdp needs nodes of equal size, got {[len(r) for r in args.mesh]} "
@@ -648,11 +701,10 @@ def resolve(args, parsed) -> str | None:
 
 def main(args) -> int:
     args.model = GPTConfig(args.layers, args.width, args.heads, args.seq)
-    parsed = parse_rate(args.link)
-    args.link_name = parsed[0] if parsed else "loopback"
+    args.link_name = args.link or "loopback"
     lead = True  # the process that prints and writes the results
     args.runs_started = 0
-    error = resolve(args, parsed)
+    error = resolve(args)
     if error:
         print(f"python -m bench train: {error}", file=sys.stderr)
         return 2
@@ -662,10 +714,10 @@ def main(args) -> int:
         if not lead:  # the other ranks run the same steps silently
             stack.enter_context(contextlib.redirect_stdout(
                 stack.enter_context(open(os.devnull, "w"))))
-        return _main(args, parsed, lead)
+        return _main(args, lead)
 
 
-def _main(args, parsed, lead: bool) -> int:
+def _main(args, lead: bool) -> int:
     header = common.run_header("train", device="cpu (gloo)", link=args.link_name,
                                command=args.command)
     header["train"] = {"model": asdict(args.model), "batch": args.batch, "steps": args.steps,
@@ -675,7 +727,7 @@ def _main(args, parsed, lead: bool) -> int:
     print(common.format_header(header), flush=True)
     rows = []
     try:
-        with ShapedLink(args.link) if parsed else contextlib.nullcontext() as link:
+        with ShapedLink(args.link) if args.link else contextlib.nullcontext() as link:
             for seed in args.seeds:
                 for mode in args.mode:
                     for name, env in args.config:

@@ -152,7 +152,7 @@ def _what_it_showed(snap, base: list[float], ours: list[float], t_gloo: float,
         "  two hosts behind a tc-shaped 100 Mbit/s link (network namespaces; needs root):",
         "    python -m bench collectives --link 100mbit   # each collective against exact gloo",
         "    python -m bench train --link 100mbit         # FSDP2 training: step time and loss",
-        "    python -m bench wire                         # bytes each host's interface sent",
+        "    python -m bench train --link unshaped        # bytes each host's interface sent",
         "  Figures measured so far, with their commands: docs/results.md",
     ])
 
