@@ -383,13 +383,12 @@ def worker(spec: dict) -> dict:
     intra, inter = (by_node / world).tolist()
     dist.barrier()
     # what each node's interface sent, once a node (its ranks read the same counter)
-    sent = torch.tensor([float(os.environ.get("GROUP_RANK", rank)),
-                         int(tx_path.read_text()) - tx if counting else 0.0],
-                        dtype=torch.float64)
-    every = torch.empty(2 * world, dtype=torch.float64)
-    dist.all_gather_into_tensor(every, sent)  # 2 elements a rank, below min_numel: exact
+    every = torch.zeros(world, 2, dtype=torch.float64)  # (node, bytes) a rank
+    every[rank] = torch.tensor([float(os.environ.get("GROUP_RANK", rank)),
+                                int(tx_path.read_text()) - tx if counting else 0.0])
+    dist.all_reduce(every)  # float64, below min_numel: exact
     per_node = {}
-    for node, nbytes in every.view(world, 2).tolist():
+    for node, nbytes in every.tolist():
         per_node[node] = max(per_node.get(node, 0.0), nbytes)
     dist.barrier()
     t_compute = _time_local_step(cfg, B, reps=5)  # both ranks at once, as in training
