@@ -141,8 +141,8 @@ VIEWS: dict[str, View] = {
         (("mode", "mode", "{}"), ("variant", "variant", "{}"), ("runs", "runs", "{}"),
          ("final_eval_mean", "eval loss", "{:.3f}"), ("paired_diff_pct", "vs exact", "{:+.2f}%"),
          ("significant_95", "significant", "{}"), ("step_s", "s/step", "{:.3f}"),
-         ("speedup", "speedup", "{:.2f}x"), ("wire_mb_per_step", "MB/step", "{:.2f}"),
-         ("iface_mb_per_step", "interface MB/step", "{:.2f}"),
+         ("speedup", "speedup", "{:.2f}x"), ("wire_mb_per_step", "MB/step a rank", "{:.2f}"),
+         ("iface_mb_per_step", "interface MB/step, all hosts", "{:.2f}"),
          ("fewer_bytes", "fewer bytes", "{:.2f}x"),
          ("counted_vs_iface", "counted / sent", "{:.3f}"))),
     "memory": View(

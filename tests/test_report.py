@@ -24,17 +24,17 @@ def test_readme_lines_are_read_from_the_files(tmp_path):
     """Change a figure in a copy of the results: the README line follows it."""
     folder = tmp_path / "results"
     shutil.copytree(common.RESULTS, folder)
-    path = folder / report.INTEL / "wire-unshaped.json"
+    path = folder / report.INTEL / "train-unshaped.json"
     data = json.loads(path.read_text())
-    report.pick(data["rows"], model="demo", variant="bits=8")["ratio"] = 2.54
+    report.pick(data["rows"], variant="bits=8")["fewer_bytes"] = 2.54
     path.write_text(json.dumps(data))
     page, readme = report.build(folder)
     assert "**2.5x fewer bytes** sent for FSDP2 at 8 bits" in readme
-    assert "| demo | bits=8 |" in page and "| 2.54x |" in page
+    assert "| fsdp2 | bits=8 |" in page and "| 2.54x |" in page
     assert "**2.5x fewer bytes**" not in report.README.read_text()
 
     path.unlink()
-    with pytest.raises(LookupError, match="wire-unshaped.json, which is gone"):
+    with pytest.raises(LookupError, match="train-unshaped.json, which is gone"):
         report.build(folder)
 
 
