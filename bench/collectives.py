@@ -22,9 +22,10 @@ against the exact fp32 result).
 Each point: warm-up calls, then the median of ``--iters`` timed calls (fewer, never
 under 3, when one point would exceed ``--budget`` seconds); every timed call starts
 after a barrier and counts as the slowest rank's time. ``--rounds R`` times every
-variant of a point R times, the variants interleaved round by round (a shaped link's
-medians of 3 calls swing by a third, NOTES.md); the row's time is the median of all its
-rounds' calls, ``spread`` the range of the round medians over their median.
+variant of a point R times, the variants interleaved round by round (on a shaped link
+one point's medians of 3 calls swung by a third from run to run); the row's time is the
+median of all its rounds' calls, ``spread`` the range of the round medians over their
+median.
 
 Nodes (qcomm's topology): every rank is told its node (``QCOMM_NODE``). Without
 ``--nodes``, each rank on loopback is a node and each ``--link`` namespace is one.
