@@ -390,7 +390,6 @@ def worker(spec: dict) -> dict:
     per_node = {}
     for node, nbytes in every.tolist():
         per_node[node] = max(per_node.get(node, 0.0), nbytes)
-    dist.barrier()
     t_compute = _time_local_step(cfg, B, reps=5)  # both ranks at once, as in training
     timed = step_times[spec["warmup_steps"]:] or step_times
     t_step = statistics.median(timed)
@@ -523,8 +522,9 @@ def _summarize_mode(rows: list[dict]) -> tuple[list[dict], list[str]]:
              "comm_share": statistics.median(r["comm_share"] for r in rs),
              "wire_bytes_per_step": statistics.median(r["wire_bytes_per_step"] for r in rs)}
         s["wire_mb_per_step"] = s["wire_bytes_per_step"] / 1e6
-        for where in ("inter", "intra", "iface"):  # older runs lack some of them
-            got = [r[f"{where}_bytes_per_step"] for r in rs if r.get(f"{where}_bytes_per_step")]
+        for where in ("inter", "intra", "iface"):  # iface: behind a link only
+            got = [r[f"{where}_bytes_per_step"] for r in rs
+                   if r.get(f"{where}_bytes_per_step") is not None]
             if got:
                 s[f"{where}_mb_per_step"] = statistics.median(got) / 1e6
         if "iface_mb_per_step" in s:
