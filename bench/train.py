@@ -665,7 +665,10 @@ def parse_link(text: str) -> str | None:
     """``--link``: :data:`UNSHAPED` or a rate (:func:`parse_rate`); None: loopback."""
     if text.strip().lower() == UNSHAPED:
         return UNSHAPED
-    parsed = parse_rate(text)
+    try:
+        parsed = parse_rate(text)
+    except ValueError as err:
+        raise ValueError(f"{err}, or {UNSHAPED}") from None
     return parsed and parsed[0]
 
 
