@@ -36,6 +36,7 @@ import time
 import torch
 
 from . import common
+from .collectives import Case, direct
 from .common import Column
 from .simulated import simulated_group
 
@@ -102,25 +103,13 @@ def measure(collective: str, world: int, n: int, bits: int, device: torch.device
 
     group = simulated_group(world, bits)
     sim = group.inner
-    g = torch.Generator().manual_seed(n)
-    if collective == "all_gather":
-        inp = torch.randn(n, generator=g).to(device)
-        out = torch.empty(world * n, device=device)
+    case = Case(collective, world * n, world, 0, torch.float32, device)
+    fn = direct(qcomm, case, group)
 
-        def call():
-            qcomm.all_gather_into_tensor(out, inp, group)
-    elif collective == "reduce_scatter":
-        inp = torch.randn(world * n, generator=g).to(device)
-        out = torch.empty(n, device=device)
+    def call():
+        case.reset()  # the all-reduce works in place: its simulated sum grows W-fold a call
+        fn()
 
-        def call():
-            qcomm.reduce_scatter_tensor(out, inp, group=group)
-    else:  # in place: the simulated sum grows W-fold a call, so each call starts afresh
-        inp = torch.randn(world * n, generator=g).to(device)
-        out = torch.empty_like(inp)
-
-        def call():
-            qcomm.all_reduce(out.copy_(inp), group=group)
     sync = common.sync_fn(device)
     call()  # warm-up: compile, buffers, the config agreement
     launched = launches(call, device)

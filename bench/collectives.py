@@ -90,7 +90,7 @@ from .link import (
     layout_name,
     link_shaping,
     node_layout,
-    parse_rate,
+    parse_link,
     pin_this_rank,
     run_spec,
     worker_done,
@@ -140,14 +140,17 @@ class Case:
             self.out.copy_(self.inp)
 
 
-def _exact(case: Case, group, dist, async_op: bool = False) -> Callable[[], object]:
+def direct(api, case: Case, group, async_op: bool = False) -> Callable[[], object]:
+    """``case``'s collective through ``api``'s direct call on ``group``:
+    ``torch.distributed`` (the exact call on the plain group) or ``qcomm`` (on a config's
+    qcomm group); with ``async_op`` the call returns its Work."""
     if case.coll == "all_gather":
-        return lambda: dist.all_gather_into_tensor(case.out, case.inp, group=group,
-                                                   async_op=async_op)
-    if case.coll == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(case.out, case.inp, group=group,
+        return lambda: api.all_gather_into_tensor(case.out, case.inp, group=group,
                                                   async_op=async_op)
-    return lambda: dist.all_reduce(case.out, group=group, async_op=async_op)
+    if case.coll == "reduce_scatter":
+        return lambda: api.reduce_scatter_tensor(case.out, case.inp, group=group,
+                                                 async_op=async_op)
+    return lambda: api.all_reduce(case.out, group=group, async_op=async_op)
 
 
 def _bf16(case: Case, group, dist) -> Callable[[], None]:
@@ -168,19 +171,6 @@ def _bf16(case: Case, group, dist) -> Callable[[], None]:
         case.out.copy_(low_out)
 
     return call
-
-
-def _qcomm(case: Case, group, async_op: bool = False) -> Callable[[], object]:
-    """qcomm's direct call on a config's qcomm group."""
-    import qcomm
-
-    if case.coll == "all_gather":
-        return lambda: qcomm.all_gather_into_tensor(case.out, case.inp, group,
-                                                    async_op=async_op)
-    if case.coll == "reduce_scatter":
-        return lambda: qcomm.reduce_scatter_tensor(case.out, case.inp, group=group,
-                                                   async_op=async_op)
-    return lambda: qcomm.all_reduce(case.out, group=group, async_op=async_op)
 
 
 class Timer:
@@ -220,13 +210,13 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 def _call(case: Case, variant: str, vgroup, dist, async_op: bool = False) -> Callable:
     """``variant``'s call on ``case``; with ``async_op`` it returns the Work (bf16's cast
     around the exact call has none)."""
-    if variant == "exact":
-        return _exact(case, vgroup, dist, async_op)
     if variant == "bf16":
         if async_op:
             raise ValueError("bf16 has no asynchronous form")
         return _bf16(case, vgroup, dist)
-    return _qcomm(case, vgroup, async_op)
+    import qcomm
+
+    return direct(dist if variant == "exact" else qcomm, case, vgroup, async_op)
 
 
 def _compute(units: int, ab: tuple) -> None:
@@ -360,7 +350,7 @@ def worker(spec: dict) -> None:
         for numel in spec["sizes"]:
             case = Case(coll, numel, world, rank, dtype, device)
             case.reset()
-            _exact(case, group, dist)()
+            direct(dist, case, group)()
             ref = case.out.clone()  # the exact fp32 answer for rel_err
             times = {v: [] for v in variants}
             serial, overlapped = ({v: [] for v in variants} for _ in range(2))
@@ -476,8 +466,9 @@ def run_one(args, rate: str | None) -> None:
 
 def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--link", type=common.arg(parse_links), default=[None],
-                   help="comma list of link rates (100mbit, 1gbit, ...) or loopback; "
-                        "a rate runs the ranks in two network namespaces (needs root)")
+                   help="comma list of link rates (100mbit, 1gbit, ...), unshaped or "
+                        "loopback; a rate or unshaped runs the ranks in two network "
+                        "namespaces (needs root)")
     p.add_argument("--world", type=common.arg(parse_world), default=None,
                    help="ranks (split over the two hosts with --link; default 2, or one per "
                         "GPU; with --nodes: nodes x ranks per node)")
@@ -512,9 +503,9 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
 
 
 def parse_links(text: str) -> list[str | None]:
-    """``"loopback,1gbit"`` -> ``[None, "1gbit"]``; ValueError on a bad rate."""
-    rates = [t.strip() for t in text.split(",") if t.strip()] or ["loopback"]
-    return [None if parse_rate(r) is None else parse_rate(r)[0] for r in rates]
+    """``"loopback,1gbit,unshaped"`` -> ``[None, "1gbit", "unshaped"]`` (:func:`parse_link`);
+    ValueError on a bad one."""
+    return [parse_link(t) for t in text.split(",") if t.strip()] or [None]
 
 
 def parse_world(text: str) -> int:

@@ -116,10 +116,12 @@ def _raise_signal(signum, frame):
 
 
 def link_shaping(rate: str, nodes: list[int]) -> dict:
-    """What a :class:`ShapedLink` of ``rate`` sets up (for the run header); ``nodes``:
-    each rank's node (namespace a is node 0)."""
-    _, bits = parse_rate(rate)
+    """What a :class:`ShapedLink` of ``rate`` (or :data:`UNSHAPED`) sets up (for the run
+    header); ``nodes``: each rank's node (namespace a is node 0)."""
     ranks = {"ab"[n]: [r for r, m in enumerate(nodes) if m == n] for n in sorted(set(nodes))}
+    if rate == UNSHAPED:
+        return {"rate_bit_s": None, "qdisc": None, "addresses": list(ADDRS), "ranks": ranks}
+    _, bits = parse_rate(rate)
     return {"rate_bit_s": bits, "qdisc": "tbf", "burst_bytes": _burst(bits),
             "latency": TBF_LATENCY, "addresses": list(ADDRS), "ranks": ranks}
 
@@ -129,6 +131,18 @@ def _burst(bits_per_s: int) -> int:
 
 
 UNSHAPED = "unshaped"  # two hosts with no tc shaping: what counting bytes needs
+
+
+def parse_link(text: str) -> str | None:
+    """``--link``: :data:`UNSHAPED` or a rate (:func:`parse_rate`, its canonical text);
+    None: loopback. ValueError naming a bad one."""
+    if text.strip().lower() == UNSHAPED:
+        return UNSHAPED
+    try:
+        parsed = parse_rate(text)
+    except ValueError as err:
+        raise ValueError(f"{err}, or {UNSHAPED}") from None
+    return parsed and parsed[0]
 
 
 class ShapedLink:

@@ -89,14 +89,13 @@ import torch.nn.functional as F
 from . import common
 from .common import Column
 from .link import (
-    UNSHAPED,
     LinkError,
     ShapedLink,
     add_layout_arguments,
     default_nodes,
     layout_name,
     node_layout,
-    parse_rate,
+    parse_link,
     pin_this_rank,
     run_spec,
 )
@@ -659,17 +658,6 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
                    help="read only this many training bytes (tests)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run, all in")
     p.add_argument("--op-timeout", type=float, default=600)
-
-
-def parse_link(text: str) -> str | None:
-    """``--link``: :data:`UNSHAPED` or a rate (:func:`parse_rate`); None: loopback."""
-    if text.strip().lower() == UNSHAPED:
-        return UNSHAPED
-    try:
-        parsed = parse_rate(text)
-    except ValueError as err:
-        raise ValueError(f"{err}, or {UNSHAPED}") from None
-    return parsed and parsed[0]
 
 
 def resolve(args) -> str | None:

@@ -62,6 +62,11 @@ def test_parse_rate():
     assert link.parse_rate("100Mbit") == ("100mbit", 10**8)
     assert link.parse_rate("2.5gbit") == ("2.5gbit", 25 * 10**8)
     assert link.parse_rate("loopback") is None
+    # --link: a rate's canonical text, unshaped, or None for loopback; one parser for all
+    assert collectives.parse_links("loopback,100Mbit,Unshaped") == [None, "100mbit", "unshaped"]
+    with pytest.raises(ValueError, match="or unshaped"):
+        link.parse_link("fast")
+    assert link.link_shaping("unshaped", [0, 1])["rate_bit_s"] is None
     for bad in ("fast", "1gb", "10bit", "1000gbit"):
         with pytest.raises(ValueError, match="rate"):
             link.parse_rate(bad)
