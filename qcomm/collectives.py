@@ -217,9 +217,10 @@ def packed_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list[in
     Per piece, one quantize of the peer chunks (:func:`qcomm.codec.quantize_rows`) and
     one fused decode, sum, op and cast (:func:`qcomm.codec.dequantize_sum`), whatever
     the world size. ``residuals`` (error feedback, :class:`qcomm.fsdp.PieceState`): per
-    piece, ``load(call, p, a, b)`` gives the fp32 [size, b - a] rows of what the last
-    call's quantization left out of each peer chunk, which is added to the chunk before
-    it is quantized, and ``store(p, rows)`` keeps what this one leaves out."""
+    piece, ``load(call, p, a, b)`` gives a copy of the fp32 [size, b - a] rows of what
+    the last call's quantization left out of each peer chunk, which is added to the
+    chunk before it is quantized, and ``store(p, rows)`` keeps what this one leaves out,
+    once the descriptor check has passed (a refused call keeps nothing)."""
     size, rank, q = len(chunks), call.rank, call.q
     n = chunks[0].numel()
     dtype, device = chunks[0].dtype, chunks[0].device
@@ -245,16 +246,17 @@ def packed_reduce_scatter(call: Call, chunks: list[torch.Tensor], seeds: list[in
         if residuals is None:
             # the own chunk stays exact; its slot only travels to itself
             quantize_rows(x[:, a:b], q, piece_seeds, out=send, skip=rank, **call.codec)
-        else:
+        else:  # into a copy of the residuals: a refused call leaves them as they were
             fed = residuals.load(call, p, a, b)
             _quantize_fed(call, x[:, a:b], fed, piece_seeds, send)
-            residuals.store(p, fed)
         if riding:
             check.start()
-            check.finish()
-            break
         if p == 0 and check is not None:
             check.finish()
+        if residuals is not None:
+            residuals.store(p, fed)
+        if riding:
+            break
         recv = recv_all[size * start: size * (start + nbytes)]
         inflight.append(I.start(I.all_to_all, call.kind, "the all-to-all of payloads", rank,
                                 call.inner, recv, send.view(-1)))

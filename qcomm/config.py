@@ -182,6 +182,20 @@ class CommConfig:
         return env_config().compile is not False
 
 
+def as_comm_config(config, fn: str) -> CommConfig | None:
+    """A group's config as a public entry point takes it (``fn`` names the entry point
+    in the error): a :class:`CommConfig` as it is; a :class:`QuantConfig` for every
+    collective (all-gather, reduce-scatter, all-reduce), the rest from ``QCOMM_*``;
+    None stays None (the ``QCOMM_*`` environment's, read where the group is made)."""
+    if config is None or isinstance(config, CommConfig):
+        return config
+    if isinstance(config, QuantConfig):
+        return comm_config_from_env().replace(all_gather=config, reduce_scatter=config,
+                                              all_reduce=config)
+    raise TypeError(f"{fn}: config must be a qcomm.CommConfig, a qcomm.QuantConfig (every "
+                    f"collective) or None (QCOMM_*), got {config!r}")
+
+
 # (variable suffix, QuantConfig field) of the codec settings the environment can set.
 _CODEC_VARS = (("BUCKET", "bucket_size"), ("SCHEME", "scheme"), ("NORM", "norm"),
                ("ROUNDING", "rounding"))

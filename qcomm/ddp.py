@@ -10,7 +10,8 @@ bucket is averaged (AVG) by the scatter-reduce-allgather all-reduce of
 reducer waits on it), with the group's topology, seeds and stats
 (``qcomm.stats(group)``); buckets that must stay exact (integer or float64 gradients,
 under ``min_numel``) go exact. ``state``: None (the default group, ``QCOMM_*``), a
-:class:`~qcomm.QuantConfig` (the default group, that config for every bucket), or a
+:class:`~qcomm.QuantConfig` (the default group, that config for every bucket), a
+:class:`~qcomm.CommConfig` (the default group, its ``all_reduce``), or a
 process group (its ``QCOMM_*`` config), as torch's hooks take theirs.
 """
 
@@ -18,20 +19,20 @@ import torch
 import torch.distributed as dist
 
 from . import collectives as C
-from .config import QuantConfig
+from .config import CommConfig, QuantConfig
 
 
 # DDP checks this annotation (Future[Tensor]) literally: no postponed annotations here.
 def ddp_comm_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """A DDP comm hook (``ddp.register_comm_hook(state, qcomm.ddp_comm_hook)``): the
     bucket's gradients averaged over the group, compressed; the future holds them."""
-    if state is None or isinstance(state, QuantConfig):
+    if state is None or isinstance(state, (QuantConfig, CommConfig)):
         group, config = None, state
     elif isinstance(state, dist.ProcessGroup):
         group, config = state, None
     else:
-        raise TypeError("qcomm.ddp_comm_hook: state must be None, a qcomm.QuantConfig or a "
-                        f"process group, got {type(state).__name__}")
+        raise TypeError("qcomm.ddp_comm_hook: state must be None, a qcomm.QuantConfig, a "
+                        f"qcomm.CommConfig or a process group, got {type(state).__name__}")
     tensor = bucket.buffer()
     work = C.all_reduce(tensor, dist.ReduceOp.AVG, group, config=config, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])

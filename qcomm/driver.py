@@ -9,7 +9,7 @@ group through :mod:`qcomm.collectives`, FSDP2's per-module collectives through
     which QuantConfig (the call's, or the group's for this kind)
     compressible?  no  -> stats (exact), exact()               -> its Work / None
                    yes -> under the group's lock:
-                            call index (advances identically on every rank)
+                            call index (compressed calls done before it)
                             compressed(Call): the algorithm, which takes its seeds,
                               its descriptor check and its buffers from the Call
                           stats (compressed, wire bytes)       -> a Work / None
@@ -19,12 +19,19 @@ group through :mod:`qcomm.collectives`, FSDP2's per-module collectives through
 Seeds: one per payload, distinct per (call index, slot), where the algorithm's slot
 tells the phases, ranks and chunks of a call apart; the same on every rank for a given
 (call, slot), so reruns are reproducible and ranks' rounding errors do not correlate.
+
+The call index is taken when the call runs, not when it is issued: calls run one at a
+time in the order they were issued (the worker's queue; a synchronous call drains it
+first), so the index follows the callers' order on every rank, and the caller of an
+async call never waits for the lock a running call holds (two async all-gathers issued
+back to back: the second returns at once). A refused call (:class:`handshake.Refused`,
+every rank alike, before any payload moved) leaves the index where it was: the retried
+call gets the seeds it would have had without the refusal.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -109,7 +116,9 @@ class GroupState:
         # The first failure of a call whose inner work had started: every later call on
         # the group raises it (the ranks may be out of step).
         self.failed: BaseException | None = None
-        self.calls = itertools.count()  # advances identically on every rank
+        # Compressed calls done: the next call's index (advances identically on every
+        # rank; read and advanced under ``lock``, by the call that runs: module docstring)
+        self.calls = 0
         self.buffers = BufferCache()
         self.stats = Stats()
         self.lock = threading.Lock()
@@ -153,9 +162,6 @@ class GroupState:
         if self.plan == TWO_LEVEL and (self.subgroups is None or self.subgroups.store is None):
             self.plan, self.plan_why = FLAT, "no store to build the subgroups from"
         log_plan_once(self.topology, self.plan, self.plan_why)
-
-    def next_call(self) -> int:
-        return next(self.calls)
 
     def check_failed(self) -> None:
         """Raise if an earlier call on this group failed after its inner work started."""
@@ -423,6 +429,8 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
     if state.failed is not None and async_op:
         return failed_work(state, result)  # the failure reaches wait(), as an async one's
     state.check_failed()
+    if state.subgroups is not None:
+        state.subgroups.follow()  # the served group's timeout, where it changed
     handshake.ensure_agreed(group, state, kind, tensor.device)
     inner = state.inner
     q = quant_config(kind, state, config)
@@ -432,13 +440,12 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
                            intra=split_intra(state, logical))
         state.engine.drain()  # the inner group's calls in every rank's same order
         return exact()
-    with state.lock:  # the call index, in the caller's order (seeds)
-        call = Call(kind, inner, state, q, state.next_call(), inner.rank(), state.world,
-                    state.codec_for(tensor.device))
+    rank, codec = inner.rank(), state.codec_for(tensor.device)
 
     def body() -> None:
         state.check_failed()  # a call queued behind one that failed
         with state.lock, torch.no_grad():
+            call = Call(kind, inner, state, q, state.calls, rank, state.world, codec)
             try:
                 wire, intra = compressed(call)
             except handshake.Refused:
@@ -446,6 +453,7 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
             except BaseException as err:
                 state.fail(err)
                 raise
+            state.calls += 1
         state.stats.record(kind, compressed=True, logical=logical, wire=wire, intra=intra)
 
     if async_op and state.config.asynchronous:

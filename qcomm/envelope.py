@@ -53,6 +53,15 @@ ENVELOPE_TOTAL_MAX = 272 * 1024
 # modules makes ~3 M compressed calls, so 1024 covers ~340 FSDP modules.
 MAX_PERIOD = 1024
 KEY_NBYTES = 40  # the descriptor without its call index: what recurs call after call
+# The period search's budget, in window compares (a slice compare of at most 32 keys,
+# ~0.5 us): each agreed call adds SEARCH_CREDIT, up to SEARCH_CREDIT_MAX, and a search
+# spends one a candidate period it examines, so a sequence with no period (calls drawn
+# at random from a few keys: hundreds of candidates a call, 80-490 us a call unbounded)
+# costs ~2 us a call amortized, while a training step whose period breaks (an eval
+# step) finds it again at once from the credit the periodic calls saved. The budget
+# is a function of the agreed history alone: every rank searches alike.
+SEARCH_CREDIT = 4
+SEARCH_CREDIT_MAX = 4 * MAX_PERIOD
 
 
 def envelope_cap(world: int) -> int:
@@ -69,7 +78,8 @@ class Envelope:
     rides, 0 when it never does). :meth:`room` is the predicted next call's body, or 0.
     The period is checked call by call at no cost while it holds; when a call breaks it,
     the smallest period whose last repetition matches the history is looked for among the
-    distances back to earlier calls of the same key (a slice compare each)."""
+    distances back to earlier calls of the same key (a slice compare each), within a
+    budget of compares the agreed calls earn (:data:`SEARCH_CREDIT`)."""
 
     def __init__(self) -> None:
         self.keys: list[bytes] = []  # the agreed calls' keys, the last ones
@@ -77,6 +87,7 @@ class Envelope:
         self.seen: dict[bytes, list[int]] = {}  # key -> its calls' numbers, the last ones
         self.bodies: dict[bytes, int] = {}
         self.period = 0  # 0: no period confirmed
+        self.credit = SEARCH_CREDIT_MAX  # window compares the period search may spend
 
     def room(self) -> int:
         if not self.period:
@@ -87,6 +98,7 @@ class Envelope:
         keys, p = self.keys, self.period
         keys.append(key)
         self.bodies[key] = body
+        self.credit = min(self.credit + SEARCH_CREDIT, SEARCH_CREDIT_MAX)
         if not (p and len(keys) > p and keys[-1 - p] == key):
             self.period = self._find_period(key)
         now = self.start + len(keys) - 1
@@ -105,15 +117,19 @@ class Envelope:
 
     def _find_period(self, key: bytes) -> int:
         """The smallest p (a distance back to an earlier call of ``key``) whose last
-        :func:`window` calls repeat the ones p before them; 0 if none."""
+        :func:`window` calls repeat the ones p before them; 0 if none, or none among
+        the candidates the search credit pays for (smallest first)."""
         keys = self.keys
         now = self.start + len(keys) - 1
         for call in reversed(self.seen.get(key, ())):
             p = now - call
             v = window(p)
-            if p > MAX_PERIOD or p + v > len(keys):
+            if p > MAX_PERIOD or p + v > len(keys) or self.credit <= 0:
                 break
-            if keys[-v:] == keys[-p - v:-p]:
+            self.credit -= 1
+            # the call before first: most candidates of a sequence without a period
+            # fail there, at the cost of one compare, not two slices
+            if keys[-2] == keys[-2 - p] and keys[-v:] == keys[-p - v:-p]:
                 return p
         return 0
 
@@ -180,6 +196,13 @@ class Exchange:
             raise RuntimeError("qcomm: a riding envelope was waited for before it was sent")
         I.wait(self.work, self.kind, "the descriptor exchange", self.rank)
         return [bytes(row) for row in self.recv[:, :DESC_NBYTES].tolist()]
+
+    def refused(self) -> None:
+        """The call was refused: the payloads that rode in its envelope were handed to
+        the inner group all the same, and count as control bytes (:meth:`start` counted
+        the rest of the envelope)."""
+        if self.rides:
+            self.state.record_control(self.kind, (self.world - 1) * self.body)
 
     def agreed(self) -> None:
         """Record this call in the group's history (every rank saw the same

@@ -65,7 +65,7 @@ import torch.distributed as dist
 from . import collectives as C
 from . import driver, handshake
 from .codec import dequantize_rows, quantize_rows, update_state_rows
-from .config import CommConfig, QuantConfig
+from .config import CommConfig, QuantConfig, as_comm_config
 from .layout import HEADER_NBYTES, meta_nbytes, packed_nbytes
 from .process_group import QcommProcessGroup, wrap
 
@@ -143,14 +143,12 @@ class PieceState:
         return isinstance(self.state, QuantConfig)
 
     def load(self, call: driver.Call, p: int, a: int, b: int) -> torch.Tensor:
-        """Piece ``p``'s rows (elements ``[a, b)``) as fp32 [world, b - a]: what the
-        caller changes in them it hands to :meth:`store` (a scratch buffer where the
-        state is not fp32; :meth:`store` only reads it)."""
-        if self.state == STATE_FP32:
-            return self.data[:, a:b]
+        """A copy of piece ``p``'s rows (elements ``[a, b)``) as fp32 [world, b - a], in
+        a scratch buffer: what the caller changes in it it hands to :meth:`store`, and
+        nothing changes the state until then (a refused call stores nothing)."""
         rows = call.buffer("fsdp_state", self.world * (b - a), torch.float32,
                            self.data[0].device).view(self.world, b - a)
-        if self.state == STATE_DTYPE:
+        if not self.quantized:
             rows.copy_(self.data[:, a:b])
         else:
             dequantize_rows(self.data[p], b - a, torch.float32, self.state, out=rows,
@@ -162,9 +160,8 @@ class PieceState:
         overwritten."""
         if not self.quantized:
             rows.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-            if self.state == STATE_DTYPE:
-                a, b = self.parts[p]
-                self.data[:, a:b].copy_(rows)
+            a, b = self.parts[p]
+            self.data[:, a:b].copy_(rows)
             return
         out = self.data[p]
         quantize_rows(rows, self.state, [0] * self.world, out=out, **self.codec)
@@ -216,8 +213,9 @@ class _PerModule(_Allocate):
     per (group, world, shard numel, dtype, device, pieces), zero at first."""
 
     def __init__(self, config: QuantConfig | None = None, *, state=DEFAULT_STATE) -> None:
-        if config is not None and not isinstance(config, QuantConfig):
-            raise TypeError(f"config must be a qcomm.QuantConfig or None, got {config!r}")
+        if config is not None and not isinstance(config, (QuantConfig, CommConfig)):
+            raise TypeError(f"config must be a qcomm.QuantConfig, a qcomm.CommConfig (its "
+                            f"collective's) or None (the group's), got {config!r}")
         self.config = config
         self.state = check_state(state)
         self._states: dict[tuple, PieceState] = {}
@@ -333,11 +331,14 @@ def _modules(fn: str, setter: str, module: torch.nn.Module, include) -> list:
     if include is not None and not callable(include):
         raise TypeError(f"{fn}: include must be a callable (name, module) -> bool, got "
                         f"{include!r}")
-    mods = fsdp_modules(module, include)
+    found = fsdp_modules(module, include)
+    # a unit that owns no parameters has no collectives to replace (module docstring)
+    mods = [m for m in found if _param_groups(m)]
     if not mods:
-        raise ValueError(f"{fn}: no FSDP2 module found" + (
-            " that include() accepts" if include is not None and fsdp_modules(module)
-            else " (call fully_shard on the model or its blocks first)"))
+        raise ValueError(f"{fn}: no FSDP2 module " + (
+            "that owns parameters found" if found
+            else "found that include() accepts" if include is not None and fsdp_modules(module)
+            else "found (call fully_shard on the model or its blocks first)"))
     if not hasattr(mods[0], setter):
         raise RuntimeError(f"{fn} needs FSDPModule.{setter} (torch >= 2.9); this is torch "
                            f"{torch.__version__}")
@@ -401,12 +402,18 @@ class Compression:
 
 
 def _param_groups(module) -> list:
+    """The FSDP parameter groups ``module`` owns: none for a module whose parameters all
+    sit in child ``fully_shard`` units (torchtitan's root: embedding, blocks and
+    ``[norm, output]`` are units of their own), which torch's own ``set_custom_*``
+    setters skip too."""
     state = module._get_fsdp_state()
-    return list(getattr(state, "_fsdp_param_groups", None)
-                or [state._fsdp_param_group])
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.13: a list
+    if groups is None:
+        groups = [state._fsdp_param_group]
+    return [g for g in groups if g is not None]
 
 
-def compress(module: torch.nn.Module, config: CommConfig | None = None, *,
+def compress(module: torch.nn.Module, config: CommConfig | QuantConfig | None = None, *,
              include=None) -> Compression:
     """Compress FSDP2's all-gathers and reduce-scatters of every FSDP module in
     ``module`` (or those ``include(name, module)`` accepts), after ``fully_shard``,
@@ -417,7 +424,9 @@ def compress(module: torch.nn.Module, config: CommConfig | None = None, *,
     of its own). Everything else (the optimizer, checkpoints, DTensor, the user's own
     collectives) stays on the native group, exact, with no qcomm code on its path.
 
-    ``config``: the group's :class:`~qcomm.CommConfig` (default: ``QCOMM_*``). Call on
+    ``config``: the group's :class:`~qcomm.CommConfig`, or a :class:`~qcomm.QuantConfig`
+    for both collectives (and HSDP's all-reduce), the rest from ``QCOMM_*`` (default:
+    ``QCOMM_*``). Call on
     every rank (the group's config and nodes are agreed here, once). Compose with
     :func:`quantize_weight_deltas` / :func:`feed_back_gradient_errors` by calling them
     after: their all-gathers or reduce-scatters replace these for their modules.
@@ -428,8 +437,7 @@ def compress(module: torch.nn.Module, config: CommConfig | None = None, *,
     replicate group, which this replaces by a :func:`qcomm.wrap` of that group (one per
     group; collective, like every step here): compressed there, the group itself left
     as it is for every other caller (torch >= 2.9's ``HSDPMeshInfo``)."""
-    if config is not None and not isinstance(config, CommConfig):
-        raise TypeError(f"compress: config must be a qcomm.CommConfig or None, got {config!r}")
+    config = as_comm_config(config, "compress")
     mods = _modules("compress", "set_custom_all_gather", module, include)
     groups, installed = [], []
     for m in mods:

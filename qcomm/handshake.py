@@ -58,10 +58,14 @@ class Refused(ValueError):
 def check_at_creation(store, rank: int, size: int, config: CommConfig,
                       node: str = "") -> list[str]:
     """Every rank must run the same config, compared through the store once at group
-    creation (rank 0 against all; every other rank against rank 0), so that a rank
-    started with other ``QCOMM_*`` variables fails ``init_process_group`` / ``new_group``
-    naming both configs. Each rank also posts its ``node`` key; returns every rank's,
-    in rank order (the same list on every rank: :class:`qcomm.topology.Topology`)."""
+    creation, so that a rank started with other ``QCOMM_*`` variables fails
+    ``init_process_group`` / ``new_group`` on every rank, with the same error naming
+    both configs: rank 0 compares every rank's with its own and posts the verdict,
+    which every rank reads (O(world) store reads, not a comparison per pair; a rank
+    that compared with rank 0 alone would miss a mismatch between two others and
+    build a group whose first call fails). Each rank also posts its ``node`` key;
+    returns every rank's, in rank order (the same list on every rank:
+    :class:`qcomm.topology.Topology`)."""
     mine = repr(config.shared())
     # A store outlives its groups (torchrun's agent store; init_process_group after
     # destroy_process_group reuses the group name): each rank counts the groups it made
@@ -70,17 +74,27 @@ def check_at_creation(store, rank: int, size: int, config: CommConfig,
     made = store.add(f"qcomm/made/{rank}", 1)
     store.set(f"qcomm/node/{made}/{rank}", node)
     store.set(f"qcomm/config/{made}/{rank}", mine)
-    peers = range(1, size) if rank == 0 else (0,)
-    for peer in peers:
-        theirs = store.get(f"qcomm/config/{made}/{peer}").decode()
-        if theirs != mine:
-            raise ValueError(
-                f"qcomm config differs between ranks: rank {rank} has {mine}, rank {peer} "
-                f"has {theirs} (check the QCOMM_* environment variables)"
-            )
-    keys = [f"qcomm/node/{made}/{r}" for r in range(size)]
-    if hasattr(store, "multi_get"):  # one wait and one read, not one round trip per rank
-        store.wait(keys)  # a peer may not have posted yet (only rank 0 waited for all)
+    verdict = f"qcomm/verdict/{made}"
+    if rank == 0:
+        configs = _read_all(store, [f"qcomm/config/{made}/{r}" for r in range(size)])
+        bad = [r for r, theirs in enumerate(configs) if theirs != mine]
+        said = "" if not bad else (
+            f"qcomm config differs between ranks: rank 0 has {mine}, rank {bad[0]} has "
+            f"{configs[bad[0]]}" + (f" (and ranks {bad[1:]} differ from rank 0 too)"
+                                    if len(bad) > 1 else "")
+            + " (check the QCOMM_* environment variables)")
+        store.set(verdict, said)
+    else:
+        said = store.get(verdict).decode()
+    if said:
+        raise ValueError(said)
+    return _read_all(store, [f"qcomm/node/{made}/{r}" for r in range(size)])
+
+
+def _read_all(store, keys: list[str]) -> list[str]:
+    """The values of ``keys``, waiting for each to be posted."""
+    if hasattr(store, "multi_get"):  # one wait and one read, not one round trip per key
+        store.wait(keys)
         return [v.decode() for v in store.multi_get(keys)]
     return [store.get(k).decode() for k in keys]
 
@@ -129,14 +143,15 @@ def ensure_agreed(group, state, kind: str, device: torch.device) -> None:
         state.record_control(kind, (world - 1) * CONFIG_NBYTES)
         keys = []
         text = 64 + NODE_NBYTES
-        for peer, row in enumerate(recv.view(world, CONFIG_NBYTES).cpu().tolist()):
-            theirs = bytes(row)
-            if theirs[:64] != mine[:64]:
+        blobs = [bytes(row) for row in recv.view(world, CONFIG_NBYTES).cpu().tolist()]
+        for peer, theirs in enumerate(blobs):
+            if theirs[:64] != blobs[0][:64]:  # against rank 0's: the same words everywhere
+                said = [b[text:].rstrip(bytes(1)).decode(errors="replace")
+                        for b in (blobs[0], theirs)]
                 raise Refused(
-                    f"qcomm config differs between ranks: rank {rank} has "
-                    f"{mine[text:].rstrip(bytes(1)).decode()}, rank {peer} has "
-                    f"{theirs[text:].rstrip(bytes(1)).decode(errors='replace')} (check "
-                    "the QCOMM_* environment variables, or the config given to qcomm.wrap)")
+                    f"qcomm config differs between ranks: rank 0 has {said[0]}, rank "
+                    f"{peer} has {said[1]} (check the QCOMM_* environment variables, or "
+                    "the config given to qcomm.wrap)")
             keys.append(theirs[64:text].rstrip(bytes(1)).decode(errors="replace"))
         state.learn_topology(keys, rank)
         state.agreed = True
@@ -182,9 +197,10 @@ def explain(mine: bytes, theirs: bytes, rank: int, peer: int) -> str:
 class DescriptorCheck:
     """One compressed call's descriptor check, over its envelope exchange
     (:class:`qcomm.envelope.Exchange`: the transport, and the payloads that ride in it).
-    :meth:`finish` waits and compares every rank's descriptor with this rank's; a
-    mismatch is :class:`Refused` on every rank alike (every rank received the same
-    descriptors), and the call is recorded in the group's history otherwise."""
+    :meth:`finish` waits and compares every rank's descriptor with rank 0's; a
+    mismatch is :class:`Refused` on every rank alike, in the same words (every rank
+    received the same descriptors), and the call is recorded in the group's history
+    otherwise."""
 
     def __init__(self, inner, state, kind: str, desc: bytes, device: torch.device,
                  body: int = 0) -> None:
@@ -205,11 +221,18 @@ class DescriptorCheck:
         return self.exchange.received(offset, nbytes)
 
     def finish(self) -> None:
-        for peer, theirs in enumerate(self.exchange.wait()):
-            if theirs != self.desc:
-                why = explain(self.desc, theirs, self.rank, peer)
-                raise Refused(f"qcomm {self.kind}: ranks disagree ({why}); "
-                              "nothing was sent or written")
+        descs = self.exchange.wait()
+        # every rank received the same descriptors (its own among them): each compares
+        # them with rank 0's, so every rank raises the same words
+        for peer, theirs in enumerate(descs):
+            if theirs != descs[0]:
+                self.exchange.refused()
+                why = explain(descs[0], theirs, 0, peer)
+                raise Refused(f"qcomm {self.kind}: ranks disagree ({why}); every rank "
+                              "refused the call before any payload moved on its own: no "
+                              "output was written and no state changed; the descriptors, "
+                              "and any payload that rode with them, were sent (counted in "
+                              "qcomm.stats as control bytes); the group stays usable")
         self.exchange.agreed()
 
 

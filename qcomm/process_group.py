@@ -25,7 +25,7 @@ from torch.distributed import ReduceOp
 from . import collectives as C
 from . import driver, functional, handshake, purpose
 from . import inner as I
-from .config import CommConfig, comm_config_from_env, node_key
+from .config import CommConfig, QuantConfig, as_comm_config, comm_config_from_env, node_key
 from .engine import Works
 from .topology import Subgroups, plain_subgroups
 
@@ -339,7 +339,7 @@ def _create(opts, pg_options=None) -> QcommProcessGroup:
     pg = QcommProcessGroup(inner, config)
     state = pg._qcomm_state
     state.agreed = True  # just checked: no exchange at the first collective
-    state.subgroups = Subgroups(store, timeout, config.inner)
+    state.subgroups = Subgroups(store, inner, config.inner)  # dist.set_timeout lands on inner
     state.learn_topology(nodes, rank)
     return pg
 
@@ -352,10 +352,11 @@ def register() -> None:
                                   devices=["cpu", "cuda"])
 
 
-def wrap(group=None, config: CommConfig | None = None) -> QcommProcessGroup:
+def wrap(group=None, config: CommConfig | QuantConfig | None = None) -> QcommProcessGroup:
     """A qcomm group of the members of ``group`` (default: the default group), usable
-    with ``dist.*`` calls, DeviceMesh and FSDP like any group. ``config`` defaults to
-    the ``QCOMM_*`` environment.
+    with ``dist.*`` calls, DeviceMesh and FSDP like any group. ``config``: a
+    :class:`~qcomm.CommConfig`, a :class:`~qcomm.QuantConfig` for every collective, or
+    None (default): the ``QCOMM_*`` environment.
 
     Like ``new_group``, every member must call it: it connects the members anew, from
     the group's store, so that the qcomm group and ``group`` never share a socket (an
@@ -364,7 +365,7 @@ def wrap(group=None, config: CommConfig | None = None) -> QcommProcessGroup:
     does not know (one not made by ``init_process_group`` / ``new_group``) is shared as
     it is, and the caller must order the two groups' calls."""
     group = I.default(group)
-    config = comm_config_from_env() if config is None else config
+    config = as_comm_config(config, "qcomm.wrap") or comm_config_from_env()
     made = getattr(getattr(group, "_qcomm_state", None), "subgroups", None)
     subgroups = made if made is not None else plain_subgroups(group)
     inner = I.inner_group(group)

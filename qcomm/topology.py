@@ -126,10 +126,23 @@ def log_plan_once(topo: Topology, plan: str, why: str) -> None:
 
 def plain_subgroups(group) -> Subgroups:
     """The subgroup maker of a plain (gloo, NCCL) group: its store and backend from
-    torch's registry of groups, torch's default timeout."""
+    torch's registry of groups; its connections carry ``group``'s timeout."""
     backend, store = dist.distributed_c10d._world.pg_map.get(group, (None, None))
     spec = backend if isinstance(backend, str) and backend != "qcomm" else None
-    return Subgroups(store, dist.distributed_c10d.default_pg_timeout, spec)
+    return Subgroups(store, group, spec)
+
+
+def timed_backend(group):
+    """``group``'s first backend that holds a timeout (gloo's, NCCL's ``options``), where
+    ``dist.set_timeout`` / ``_set_pg_timeout`` write it; None for a group without one."""
+    for device in getattr(group, "_device_types", ()):
+        try:
+            backend = group._get_backend(device)
+        except RuntimeError:
+            continue
+        if hasattr(getattr(backend, "options", None), "_timeout"):
+            return backend
+    return None
 
 
 class Subgroups:
@@ -141,11 +154,39 @@ class Subgroups:
     Every member makes the same groups in the same order (collectives of one group are
     issued in one order on every rank): each counts them per rank on the store, as
     :func:`qcomm.handshake.check_at_creation` counts groups, so keys never collide with
-    an earlier group's on the same store."""
+    an earlier group's on the same store.
 
-    def __init__(self, store, timeout, spec: str | None) -> None:
-        self.store, self.timeout, self.spec = store, timeout, spec
+    Every group made here carries the timeout of ``served``, the group whose calls they
+    carry (a plain group on the hook route; a qcomm group's inner group, where
+    ``dist.set_timeout`` on the qcomm group lands): read when a group is made, and
+    followed when it changes (:meth:`follow`, every call), so a peer that stops raises
+    at the served group's timeout, never torch's 30-minute default."""
+
+    def __init__(self, store, served, spec: str | None) -> None:
+        self.store, self.spec = store, spec
+        self._source = timed_backend(served) if served is not None else None
+        self.timeout = (self._source.options._timeout if self._source is not None
+                        else dist.distributed_c10d.default_pg_timeout)
         self._made: tuple | None = None
+        self._groups: list = []  # every group made here, for follow()
+
+    def follow(self) -> None:
+        """Give every group made here the served group's timeout if it changed (~1 us
+        a call: one read of the backend's options)."""
+        if self._source is None:
+            return
+        timeout = self._source.options._timeout
+        if timeout != self.timeout:
+            self.timeout = timeout
+            for group in self._groups:
+                for device in group._device_types:
+                    group._get_backend(device)._set_default_timeout(timeout)
+
+    def _make(self, prefix: str, rank: int, size: int) -> dist.ProcessGroup:
+        group = I.make_inner(dist.PrefixStore(prefix, self.store), rank, size, self.timeout,
+                             self.spec)
+        self._groups.append(group)
+        return group
 
     def _prefix(self, rank: int) -> str:
         return f"qcomm/sub/{self.store.add(f'qcomm/subgroups/{rank}', 1)}/"
@@ -155,19 +196,15 @@ class Subgroups:
         connections of its own: what qcomm sends for a plain or wrapped group never
         shares a socket, and so never an order, with the user's calls on the group
         itself (as separate NCCL communicators)."""
-        return I.make_inner(dist.PrefixStore(self._prefix(rank) + "own/", self.store),
-                            rank, size, self.timeout, self.spec)
+        return self._make(self._prefix(rank) + "own/", rank, size)
 
     def get(self, topo: Topology) -> tuple:
         if self._made is None:
             if self.store is None:
                 raise RuntimeError("qcomm: a two-level plan needs the group's store")
             prefix = self._prefix(topo.rank)
-            intra = I.make_inner(
-                dist.PrefixStore(f"{prefix}intra/{topo.node}/", self.store),
-                topo.local, len(topo.intra_ranks()), self.timeout, self.spec)
-            inter = I.make_inner(
-                dist.PrefixStore(f"{prefix}inter/{topo.local}/", self.store),
-                topo.node, topo.nodes, self.timeout, self.spec)
+            intra = self._make(f"{prefix}intra/{topo.node}/", topo.local,
+                               len(topo.intra_ranks()))
+            inter = self._make(f"{prefix}inter/{topo.local}/", topo.node, topo.nodes)
             self._made = (intra, inter)
         return self._made

@@ -186,3 +186,83 @@ def test_ddp_comm_hook_matches_the_backend_route():
 def test_ddp_comm_hook_refuses_a_bad_state():
     with pytest.raises(TypeError, match="state must be None, a qcomm.QuantConfig"):
         qcomm.ddp_comm_hook("8bit", None)
+
+
+class TitanShaped(nn.Module):
+    """torchtitan's llama layout in small: token embedding, pre-norm blocks, a final
+    norm and an output projection, each a unit of its own under fully_shard."""
+
+    def __init__(self, dim: int = 64, layers: int = 2, vocab: int = 64) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(dim, 4, 2 * dim, dropout=0.0, batch_first=True,
+                                       norm_first=True) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h)).float()
+
+
+def _titan(group, factor):
+    """torchtitan's apply_fsdp: the embedding, each block, [norm, output] together, then
+    the root (which then owns no parameters); bf16 parameters, fp32 gradients; its
+    gradient divide factor on every unit (PREMUL_SUM where it is not the group's size)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = TitanShaped()
+    mesh = DeviceMesh.from_group(group, "cpu")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(model.tok_embeddings, mesh=mesh, mp_policy=mp)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard([model.norm, model.output], mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    for m in qcomm.fsdp.fsdp_modules(model):
+        m.set_gradient_divide_factor(factor)
+    return model
+
+
+def _titan_body(rank, world):
+    backend_group = dist.new_group(backend="qcomm")
+    res = {"backend": _train(_titan(backend_group, 1.0), rank), "stats": {}}
+    for name, config in (("hook", None), ("hook4", qcomm.QuantConfig(bits=4)),
+                         ("exact", qcomm.CommConfig(all_gather=None, reduce_scatter=None))):
+        plain = dist.new_group(backend="gloo")
+        model = _titan(plain, 1.0)
+        res["root_groups"] = len(model._get_fsdp_state()._fsdp_param_groups)
+        qcomm.fsdp.compress(model, config)
+        res[name], res["stats"][name] = _train(model, rank), qcomm.stats(plain)
+    return res
+
+
+def test_compress_takes_torchtitans_layout():
+    """torchtitan's FSDP2 layout (a root unit owning no parameters, bf16 all-gathers, a
+    gradient divide factor: PREMUL_SUM) through the hook route: compress() skips the
+    root as torch's setters do, sends every unit's collectives through qcomm (the same
+    losses as the backend route, within 2% of exact), and takes a QuantConfig for
+    both collectives."""
+    for r in run_ranks(_titan_body, 2, backend="gloo", timeout=240):
+        assert r["root_groups"] == 0, "the root unit was meant to own no parameters"
+        assert r["hook"] == r["backend"], (r["hook"], r["backend"])
+        for a, e in zip(r["hook"], r["exact"], strict=True):
+            assert abs(a - e) <= 0.02 * abs(e), (r["hook"], r["exact"])
+        h8, h4, exact = (r["stats"][k] for k in ("hook", "hook4", "exact"))
+        assert all(exact[k].calls_compressed == 0 for k in exact), exact
+        for kind, (lo8, lo4) in (("all_gather", (1.8, 3.2)), ("reduce_scatter", (3.2, 5.5))):
+            # bf16 gathers: 2x at 8 bits, 4x at 4; fp32 gradients 4x and 8x, less the
+            # units under min_numel, metadata and descriptors
+            assert h8[kind].calls_compressed > 0 and h4[kind].calls_compressed > 0, r
+            assert lo8 < h8[kind].ratio and lo4 < h4[kind].ratio, (kind, h8, h4)
+
+
+def test_compress_refuses_a_bad_config():
+    with pytest.raises(TypeError, match="compress: config must be a qcomm.CommConfig, a "
+                                        "qcomm.QuantConfig"):
+        qcomm.fsdp.compress(nn.Linear(2, 2), "bits=4")

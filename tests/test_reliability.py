@@ -193,19 +193,30 @@ def _dying_body(rank, world, where):
     return {"error": None, "seconds": time.monotonic() - start}
 
 
-def _fsdp2_steps(rank, steps):
-    from torch.distributed.device_mesh import init_device_mesh
+def _fsdp2_model(group=None):
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from qcomm.demo import TinyLM, train
+    from qcomm.demo import TinyLM
 
     torch.manual_seed(0)
     model = TinyLM()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = (init_device_mesh("cpu", (dist.get_world_size(),)) if group is None
+            else DeviceMesh.from_group(group, "cpu"))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model
+
+
+def _train_steps(model, rank, steps):
+    from qcomm.demo import train
+
     train(model, rank, steps, lr=1e-3)
+
+
+def _fsdp2_steps(rank, steps):
+    _train_steps(_fsdp2_model(), rank, steps)
 
 
 @pytest.mark.parametrize("where,world", [("all_gather", 2), ("reduce_scatter", 3),
@@ -224,6 +235,57 @@ def test_dying_peer_raises_naming_the_collective(where, world):
             where == "fsdp2" and "qcomm all_gather" in res["error"])
         assert named, f"rank {rank}: {res['error'][:500]}"
         assert res["seconds"] < PG_TIMEOUT + 10, res
+
+
+def _stuck_body(rank, world, route):
+    """A plain gloo group (made with a 60 s timeout) used through qcomm: rank 1 stops
+    (SIGSTOP: alive, sockets open) after the first call; rank 0 must raise at the
+    group's timeout (PG_TIMEOUT), which qcomm's own connections follow. "direct": the
+    plain group's timeout is lowered with torch's setter after qcomm connected;
+    "wrap": qcomm.wrap of a group whose timeout was lowered before; "hook": FSDP2's
+    comm hooks over the plain group, the timeout lowered after the first step."""
+    from datetime import timedelta
+
+    import qcomm.fsdp
+
+    group = dist.group.WORLD
+    lower = lambda: dist.distributed_c10d._set_pg_timeout(  # noqa: E731
+        timedelta(seconds=PG_TIMEOUT), group)
+    n = 1 << 16
+    if route == "hook":
+        model = _fsdp2_model(group)
+        qcomm.fsdp.compress(model)
+        step = lambda i: _train_steps(model, rank, 1)  # noqa: E731
+    else:
+        if route == "wrap":
+            lower()
+            group = qcomm.wrap(group)
+        out = torch.empty(world * n)
+        step = lambda i: qcomm.all_gather_into_tensor(out, make(rank, n, salt=i), group)  # noqa: E731
+    step(0)  # connected: qcomm's own connections exist
+    if route != "wrap":
+        lower()
+    if rank == 1:
+        _stop_self()
+    start = time.monotonic()
+    try:
+        for i in range(1, 10_000):
+            step(i)
+    except Exception as err:  # noqa: BLE001 (what the survivor saw)
+        return {"error": f"{type(err).__name__}: {err}", "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("route", ["direct", "wrap", "hook"])
+def test_a_stopped_peer_raises_at_the_plain_groups_timeout(route):
+    """Every connection qcomm makes for a plain group carries that group's timeout,
+    also when torch's setter changes it later (torchtitan lowers it after the first
+    step): not torch's 30-minute default."""
+    results = run_ranks(_stuck_body, 2, route, backend="gloo", dead=(1,), pg_timeout=60,
+                        timeout=90)
+    res = results[0]
+    assert res["error"] and "qcomm" in res["error"], res
+    assert res["seconds"] < PG_TIMEOUT + 10, res
 
 
 # ---------------------------------------------------------------------------------
@@ -297,12 +359,16 @@ def test_a_failure_after_the_exchange_started_fails_the_group(mode):
 
 
 def _env_mismatch_body(rank, world):
-    """Ranks started with different QCOMM_* variables: new_group("qcomm") fails on
-    every rank, naming both configs."""
+    """Ranks started with different QCOMM_* variables (the last rank alone differs, so
+    a rank that compared with rank 0 alone would miss it): new_group("qcomm") fails on
+    every rank with the same error, naming both configs. Then the same for a wrapped
+    group's agreement (its first call) and a call's descriptors: every rank refuses
+    in the same words, and the group stays usable."""
     errors = {}
+    last = rank == world - 1
     for var, values in (("QCOMM_AG_BITS", ("8", "4")), ("QCOMM_BUCKET", ("1024", "512")),
                         ("QCOMM_SCHEME", ("minmax", "nuq"))):
-        os.environ[var] = values[rank]
+        os.environ[var] = values[last]
         with pytest.raises(ValueError, match="config differs between ranks") as info:
             dist.new_group(backend="qcomm")
         errors[var] = str(info.value)
@@ -310,15 +376,30 @@ def _env_mismatch_body(rank, world):
     ok = dist.new_group(backend="qcomm")  # the same environment again: fine
     t = make(rank, 4096)
     dist.all_reduce(t, group=ok)
+    wrapped = qcomm.wrap(dist.group.WORLD, CommConfig(min_numel=4096 if last else 1024))
+    with pytest.raises(ValueError, match="config differs between ranks") as info:
+        qcomm.all_reduce(make(rank, 2048), group=wrapped)
+    errors["wrap"] = str(info.value)
+    out = torch.empty(world * 4096)
+    config = QuantConfig(bits=4 if last else 8)
+    with pytest.raises(ValueError, match="ranks disagree") as info:
+        qcomm.all_gather_into_tensor(out, make(rank, 4096), ok, config=config)
+    errors["descriptor"] = str(info.value)
+    qcomm.all_gather_into_tensor(out, make(rank, 4096), ok)  # still usable
+    assert (out.view(world, -1)[rank] - make(rank, 4096)).abs().max() < 0.1
     return errors
 
 
 def test_env_mismatch_fails_at_group_creation():
-    results = run_ranks(_env_mismatch_body, 2, backend="gloo")
-    for errors in results:
-        assert "bits=4" in errors["QCOMM_AG_BITS"] and "bits=8" in errors["QCOMM_AG_BITS"]
-        assert "bucket_size=512" in errors["QCOMM_BUCKET"]
-        assert "'nuq'" in errors["QCOMM_SCHEME"]
+    results = run_ranks(_env_mismatch_body, 3, backend="gloo")
+    errors = results[0]
+    assert "bits=4" in errors["QCOMM_AG_BITS"] and "bits=8" in errors["QCOMM_AG_BITS"]
+    assert "bucket_size=512" in errors["QCOMM_BUCKET"]
+    assert "'nuq'" in errors["QCOMM_SCHEME"]
+    assert "min_numel=4096" in errors["wrap"] and "rank 2" in errors["wrap"]
+    assert "bits: rank 2 has 4, rank 0 8" in errors["descriptor"]
+    for other in results[1:]:  # every rank: the same error, word for word
+        assert other == errors, (other, errors)
 
 
 def _disagree_body(rank, world):
@@ -345,7 +426,7 @@ def _disagree_body(rank, world):
 
     other = lambda **kw: QuantConfig(**kw) if rank else QuantConfig()  # noqa: E731
     # configs that change the payload size (gloo would abort the process) ...
-    refused("bits: rank 1 has 4, rank 0 8|bits: rank 0 has 8, rank 1 4", ag(x, other(bits=4)))
+    refused("bits: rank 1 has 4, rank 0 8", ag(x, other(bits=4)))
     refused("bucket_size", ag(x, other(bucket_size=512)))
     refused("scheme", ag(x, other(scheme="nuq")))
     # ... and ones that keep it
@@ -396,6 +477,114 @@ def _disagree_body(rank, world):
 
 def test_disagreeing_ranks_get_a_clear_error():
     run_ranks(_disagree_body, 2, backend="gloo")
+
+
+def _refused_body(rank, world):
+    """A refused call changes nothing and counts every byte: a call whose payload rode
+    in the envelope is refused (rank 1 asks for 4 bits): what every inner group qcomm
+    made was handed equals the stats, byte for byte, and the call index and history
+    stay; an error-feedback reduce-scatter refused (the ranks' ops differ) leaves its
+    residuals as they were, so the next call gives the bytes of a run without it."""
+    from test_wire import ByteCounter
+
+    import qcomm.inner as I
+    from qcomm.driver import group_state
+    from qcomm.fsdp import ErrorFeedbackReduceScatter
+
+    counters, real = [], I.make_inner
+
+    def counted(*args, **kwargs):
+        counters.append(ByteCounter(real(*args, **kwargs)))
+        return counters[-1]
+
+    I.make_inner = counted
+    res = {}
+    group = dist.new_group(backend="gloo")
+    n = 1024
+    out = torch.empty(world * n)
+    for i in range(9):  # a period of one call: the 9th call's payload rides
+        qcomm.all_gather_into_tensor(out, make(rank, n, salt=i), group)
+    state = group_state(group)
+    before = (state.calls, len(state.envelope.keys), state.envelope.room())
+    with pytest.raises(ValueError, match="ranks disagree.*bits: rank 1 has 4, rank 0 8"):
+        qcomm.all_gather_into_tensor(out, make(rank, n), group,
+                                     config=QuantConfig(bits=4) if rank else None)
+    res["rode"] = before[2] > 0
+    res["unchanged"] = before == (state.calls, len(state.envelope.keys),
+                                  state.envelope.room())
+    s = qcomm.stats(group)
+    res["counted"] = sum(c.to_peers for c in counters)
+    res["wire"] = sum(v.wire_bytes for v in s.values())
+    I.make_inner = real
+
+    def feedback(refuse: bool) -> list[torch.Tensor]:
+        g = dist.new_group(backend="gloo")
+        ef = ErrorFeedbackReduceScatter(QuantConfig(bits=4))
+        outs = []
+        for i in range(2):
+            if i == 1 and refuse:
+                with pytest.raises(ValueError, match="ranks disagree.*reduce op"):
+                    ef(torch.empty(n), make(rank, world * n, salt=7), g,
+                       op=ReduceOp.AVG if rank else ReduceOp.SUM)
+            outs.append(torch.empty(n))
+            ef(outs[-1], make(rank, world * n, salt=i), g)
+        return outs
+
+    res["feedback"] = [torch.equal(a, b) for a, b in zip(feedback(False), feedback(True),
+                                                          strict=True)]
+    return res
+
+
+def test_a_refused_call_changes_nothing_and_counts_every_byte():
+    for r in run_ranks(_refused_body, 2, backend="gloo"):
+        assert r["rode"] and r["unchanged"], r
+        assert r["counted"] == r["wire"], r
+        assert r["feedback"] == [True, True], r
+
+
+def _async_body(rank, world):
+    """Rank 0 issues two async compressed all-gathers back to back while rank 1 holds
+    back (the first cannot finish): the second must return with the first still
+    running, not after it. Rank 1 joins when told, or after 30 s."""
+    from datetime import timedelta
+
+    from qcomm.driver import group_state
+
+    group = dist.group.WORLD  # qcomm, each rank its own node: compressed
+    store = dist.distributed_c10d._get_default_store()
+    n = 1 << 16
+    outs = [torch.empty(world * n) for _ in range(2)]
+    res = {}
+    if rank == 0:
+        w1 = dist.all_gather_into_tensor(outs[0], make(rank, n), group=group, async_op=True)
+        state = group_state(group)
+        deadline = time.monotonic() + 10
+        while not state.lock.locked() and time.monotonic() < deadline:
+            time.sleep(0.001)  # until the first call runs on the worker
+        res["running"] = state.lock.locked()
+        w2 = dist.all_gather_into_tensor(outs[1], make(rank, n, salt=1), group=group,
+                                         async_op=True)
+        res["first_done_when_second_returned"] = w1.is_completed()
+        store.set("qcomm-test/go", "1")
+    else:
+        try:
+            store.wait(["qcomm-test/go"], timedelta(seconds=30))
+        except RuntimeError:
+            pass  # rank 0 never said go: its second call must have waited
+        w1 = dist.all_gather_into_tensor(outs[0], make(rank, n), group=group, async_op=True)
+        w2 = dist.all_gather_into_tensor(outs[1], make(rank, n, salt=1), group=group,
+                                         async_op=True)
+    w1.wait()
+    w2.wait()
+    res["close"] = all((outs[i].view(world, n)[r] - make(r, n, salt=i)).abs().max() < 0.1
+                       for i in range(2) for r in range(world))
+    return res
+
+
+def test_an_async_call_never_waits_for_a_running_one():
+    r0, r1 = run_ranks(_async_body, 2)
+    assert r0["running"] and r0["first_done_when_second_returned"] is False, r0
+    assert r0["close"] and r1["close"], (r0, r1)
 
 
 def _bad_input_body(rank, world):
