@@ -42,7 +42,10 @@ something). The default configs are then ``exact``, ``bits=8,topology=flat`` and
 all-gathers): per round and variant (but ``bf16``), the call then as much compute as the
 call takes (256 x 256 matmuls, calibrated once), ``serial``, against the call with
 ``async_op=True``, the compute, then ``wait()``, ``overlap``; ``overlap/serial`` is 0.5
-where the two hide each other fully, 1.0 where nothing overlaps (``async=0``)::
+where the two hide each other fully, 1.0 where nothing overlaps (``async=0``);
+``issue/call``: two async calls back to back, the longest the second took to return
+over all tries, over the call's median time (a call must not wait for the one before
+it runs: ~0.01, not ~1)::
 
     python -m bench collectives --link 100mbit --overlap --sizes 2^23 --rounds 3 \
         --collectives all_gather,reduce_scatter --config exact --config bits=8 \
@@ -242,6 +245,24 @@ def _overlap(case: Case, variant: str, vgroup, dist, timer: Timer, units: int,
             timer.times(overlapped, before=case.reset))
 
 
+def _issue(case: Case, variant: str, vgroup, dist, timer: Timer) -> list[float]:
+    """``--overlap``'s issue time: two calls with ``async_op=True`` back to back, the
+    seconds the second takes to return (it must not wait for the first to run: a few
+    percent of a call's time), each timed try's, the slowest rank's."""
+    start, seconds = _call(case, variant, vgroup, dist, True), []
+
+    def two():
+        first = start()
+        t0 = time.perf_counter()
+        second = start()
+        seconds.append(time.perf_counter() - t0)
+        first.wait()
+        second.wait()
+
+    timed = len(timer.times(two, before=case.reset))
+    return timer._max(seconds[-timed:])
+
+
 def _split_bytes(row: dict, stat, case: Case, nodes: list[int], group, dist) -> None:
     """``intra`` / ``inter``: this call's bytes to peers on this rank's node / on other
     nodes, averaged over the ranks. qcomm variants: their stats (without node counters,
@@ -353,7 +374,7 @@ def worker(spec: dict) -> None:
             direct(dist, case, group)()
             ref = case.out.clone()  # the exact fp32 answer for rel_err
             times = {v: [] for v in variants}
-            serial, overlapped = ({v: [] for v in variants} for _ in range(2))
+            serial, overlapped, issued = ({v: [] for v in variants} for _ in range(3))
             for k in range(spec["rounds"]):  # interleaved, each round from the next variant
                 for v in variants[k % len(variants):] + variants[:k % len(variants)]:
                     times[v].append(timer.times(_call(case, v, vgroups[v], dist),
@@ -363,14 +384,17 @@ def worker(spec: dict) -> None:
                         got = _overlap(case, v, vgroups[v], dist, timer, units, ab)
                         serial[v].append(statistics.median(got[0]))
                         overlapped[v].append(statistics.median(got[1]))
+                        issued[v] += _issue(case, v, vgroups[v], dist, timer)
             point = [_measure(case, v, times[v], ref, group, vgroups[v], cfgs[v], dist, spec)
                      for v in variants]
             for row in point:
                 s, o = serial[row["variant"]], overlapped[row["variant"]]
                 if s:  # the medians of the rounds' medians
+                    call = statistics.median(sum(times[row["variant"]], []))
                     row.update(serial_ms=statistics.median(s) * 1e3,
                                overlap_ms=statistics.median(o) * 1e3,
-                               overlap=statistics.median(o) / statistics.median(s))
+                               overlap=statistics.median(o) / statistics.median(s),
+                               issue_max=max(issued[row["variant"]]) / call)
             _compare(point)
             rows += point
             if rank == 0:
@@ -402,7 +426,8 @@ def columns(*, topology: bool = False, rounds: int = 1, overlap: bool = False) -
     if overlap:
         cols += [Column("serial_ms", "serial(ms)", "{:.1f}"),
                  Column("overlap_ms", "overlap(ms)", "{:.1f}"),
-                 Column("overlap", "overlap/serial", "{:.2f}")]
+                 Column("overlap", "overlap/serial", "{:.2f}"),
+                 Column("issue_max", "issue/call", "{:.3f}")]
     return cols
 
 
