@@ -5,11 +5,12 @@ rounding decides a code, so the Triton and torch paths produce the same bytes (t
 check it bit for bit against the oracle).
 """
 
+import torch
 import triton
 import triton.language as tl
 
 from qcomm import constants as C
-from qcomm.layout import SCHEME_IDS
+from qcomm.layout import NAN_BITS, SCHEME_IDS
 
 
 # One program per bucket. Warps per program: one per 1024 elements, 1 to 8 (a 1024
@@ -75,6 +76,26 @@ def half_uniform(h, HIGH: tl.constexpr):
     else:
         b = h & 0xFFFF
     return b.to(tl.float32) * (1.0 / 65536.0)
+
+
+# qcomm.layout.NAN_BITS: the one NaN every path writes, as integer bits (a float NaN
+# constant or select would leave the bits to the compiler and the hardware).
+NAN32 = tl.constexpr(NAN_BITS[torch.float32])
+NAN16 = tl.constexpr(NAN_BITS[torch.float16])
+NAN_BF16 = tl.constexpr(NAN_BITS[torch.bfloat16])
+
+
+@triton.jit
+def nan_where(bad, v):
+    """fp32 ``v``, or the canonical NaN (``qcomm.layout.NAN_BITS``) where ``bad``."""
+    bits = tl.where(bad, NAN32, v.to(tl.uint32, bitcast=True))
+    return bits.to(tl.uint32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def plus_zero(v):
+    """fp32 ``v`` with -0.0 made +0.0 (a meta word's zero, ``qcomm.layout``)."""
+    return tl.where(v == 0.0, 0.0, v)
 
 
 TINY = tl.constexpr(C.TINY)

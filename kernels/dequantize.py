@@ -12,20 +12,39 @@ import triton.language as tl
 
 from qcomm.layout import effective_scheme_id, levels
 
-from .common import MAXNORM, MINMAX, bucket_tile, load_unpack, tile_args
+from .common import (
+    MAXNORM,
+    MINMAX,
+    NAN16,
+    NAN_BF16,
+    bucket_tile,
+    load_unpack,
+    nan_where,
+    tile_args,
+)
 
 
 @triton.jit
 def _to_bf16_rne(y):
-    """fp32 -> bf16 rounding to nearest even, NaN -> 0x7FC0: torch's cast, bit for bit.
+    """fp32 -> bf16 rounding to nearest even, NaN -> the canonical 0x7FC0
+    (``qcomm.layout.NAN_BITS``): torch's cast but for the NaN bits, bit for bit.
 
     Written out in integer ops because the Triton interpreter (how CI runs this kernel)
     truncates fp32 -> bf16; GPUs round to nearest even either way.
     """
     b = y.to(tl.uint32, bitcast=True)
     r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-    r = tl.where(y != y, 0x7FC0, r)
+    r = tl.where(y != y, NAN_BF16, r)
     return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _to_fp16(y):
+    """fp32 -> fp16 (the hardware's rounding to nearest even), NaN -> the canonical
+    0x7E00 (``qcomm.layout.NAN_BITS``; an NVIDIA GPU's conversion writes 0x7FFF)."""
+    h = y.to(tl.float16).to(tl.uint16, bitcast=True)
+    h = tl.where(y != y, NAN16, h)
+    return h.to(tl.uint16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -63,10 +82,16 @@ def _dequantize_kernel(
 
 @triton.jit
 def store_cast(out_ptr, index, valid, y):
-    """Store fp32 ``y`` into ``out_ptr``'s dtype (bf16 rounded as torch rounds)."""
+    """Store fp32 ``y`` into ``out_ptr``'s dtype (bf16 rounded as torch rounds), every
+    NaN the canonical one (``qcomm.layout.NAN_BITS``): the bits a NaN gets from the
+    arithmetic before (a GPU's 0x7FFFFFFF, x86's 0xFFC00000) are the hardware's."""
     if out_ptr.dtype.element_ty == tl.bfloat16:
-        y = _to_bf16_rne(y)
-    tl.store(out_ptr + index, y.to(out_ptr.dtype.element_ty), mask=valid)
+        v = _to_bf16_rne(y)
+    elif out_ptr.dtype.element_ty == tl.float16:
+        v = _to_fp16(y)
+    else:
+        v = nan_where(y != y, y)
+    tl.store(out_ptr + index, v, mask=valid)
 
 
 @triton.jit

@@ -22,8 +22,10 @@ from .common import (
     MINMAX,
     bucket_tile,
     half_uniform,
+    nan_where,
     pack_store,
     pair_hash,
+    plus_zero,
     reciprocal_step,
     round_position,
     tile_args,
@@ -78,11 +80,12 @@ def bucket_meta(meta_ptr, bucket, z, a, b, SCHEME: tl.constexpr, LEVELS: tl.cons
     for each meta word that is not finite (``torch.nan_to_num(meta, 0, 0, 0)``)."""
     bad = z != z
     if SCHEME == MINMAX:
+        # zeros +0.0 (qcomm.layout): the reductions meet -0.0 and +0.0 in any order
+        a = plus_zero(a)
         offset = a
-        step = tl.math.div_rn(b - a, LEVELS - 1.0)
-        tl.store(meta_ptr + bucket * 2, _finite(tl.where(bad, float("nan"), a), FINITE))
-        tl.store(meta_ptr + bucket * 2 + 1,
-                 _finite(tl.where(bad, float("nan"), step), FINITE))
+        step = tl.math.div_rn(plus_zero(b) - a, LEVELS - 1.0)
+        tl.store(meta_ptr + bucket * 2, _finite(nan_where(bad, a), FINITE))
+        tl.store(meta_ptr + bucket * 2 + 1, _finite(nan_where(bad, step), FINITE))
     else:
         offset = 0.0
         if L2:
@@ -93,15 +96,15 @@ def bucket_meta(meta_ptr, bucket, z, a, b, SCHEME: tl.constexpr, LEVELS: tl.cons
             step = tl.math.div_rn(scale, (LEVELS - 1) / 2.0)
         else:
             step = scale
-        tl.store(meta_ptr + bucket, _finite(tl.where(bad, float("nan"), step), FINITE))
+        tl.store(meta_ptr + bucket, _finite(nan_where(bad, step), FINITE))
     s, inv = reciprocal_step(step)
     return offset, s, inv, bad
 
 
 @triton.jit
 def _finite(v, FINITE: tl.constexpr):
-    """``v``, or with ``FINITE`` 0 where ``v`` is inf or NaN (``v - v`` is NaN there and
-    +0.0 elsewhere; a -0.0 stays -0.0, as under ``nan_to_num``)."""
+    """``v``, or with ``FINITE`` +0.0 where ``v`` is inf or NaN (``v - v`` is NaN there
+    and +0.0 elsewhere), as ``nan_to_num``."""
     if FINITE:
         v = tl.where(v - v == 0.0, v, 0.0)
     return v

@@ -27,6 +27,15 @@
       (nuq at b = 1 has no level bits and is encoded exactly as maxnorm at b = 1)
       A bucket holding inf or NaN has NaN meta (and all-zero codes): it decodes to NaN.
 
+    Canonical bits (every path writes them, so "the same bytes" holds for zeros and NaNs):
+      - a meta word that is zero is +0.0 (00 00 00 00): minmax's min and max of a bucket
+        holding 0.0 and -0.0 are +0.0 whichever of the two a reduction meets first;
+      - every NaN written (the meta of a non-finite bucket; a decoded value, a sum, a cast
+        to bf16 or fp16) is the positive quiet NaN without payload, :data:`NAN_BITS`:
+        fp32 0x7FC00000 (bytes 00 00 C0 7F), bf16 0x7FC0, fp16 0x7E00. (Hardware picks
+        its own: x86's inf * 0 is 0xFFC00000, an NVIDIA GPU's 0x7FFFFFFF, torch's CPU cast
+        of any NaN to bf16 0xFFFF.) A decoded -0.0 is kept: nuq's sign bit on level 0.
+
     codes: element i's code sits at bits [i*b, (i+1)*b) of a little-endian bit
     stream, i.e. each group of 8 consecutive codes is one b-byte little-endian word.
       b=1: byte = k7..k0 (bit j = code j)        b=2: byte 0 = k3 k2 k1 k0 (2 bits each)
@@ -68,6 +77,10 @@ SCHEME_IDS = {"minmax": 0, "maxnorm": 1, "nuq": 2}
 SCHEME_NAMES = {v: k for k, v in SCHEME_IDS.items()}
 DTYPE_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DTYPES = {v: k for k, v in DTYPE_IDS.items()}
+# The one NaN of each float dtype that any path writes (drawn above), as the bits of
+# the same-size signed integer (int16 for bf16 and fp16: both values fit).
+NAN_BITS = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
+INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
 def levels(scheme_id: int, bits: int) -> int:

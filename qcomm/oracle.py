@@ -10,8 +10,8 @@ Per bucket of values ``v`` (``B = bucket_size`` elements; the last may be shorte
 
 - minmax: ``lo = min(v)``, ``step = (max(v) - lo) / (L - 1)``; meta ``[lo, step]``;
   position ``t = (v - lo) / step``, code ``k`` in ``0 .. L - 1``; decodes to
-  ``lo + k * step``. Of equal values min and max take the first in the bucket, which
-  decides the sign of a zero (-0.0 == +0.0) stored in the meta.
+  ``lo + k * step``. A zero min or max is +0.0 whatever zeros the bucket holds
+  (:func:`plus_zero`; a reduction meets -0.0 and +0.0 in any order).
 - maxnorm: ``scale = max |v|`` (norm "max") or ``||v||_2`` (norm "l2": squares summed
   in fp64, square root in fp64, then rounded to fp32); ``c = (L - 1) / 2``,
   ``step = scale / c``; meta ``[step]``; ``t = v / step + c``; decodes to
@@ -45,7 +45,11 @@ sign bit of each element below 0 (-inf among them): the payload is what every pa
 writes, and decodes to NaN either way.
 
 Decoding computes fp32 values as above (nuq negates ``scale * lvl(j)`` where the sign
-bit is set); another output dtype is that, then one torch cast.
+bit is set); another output dtype is that, then one torch cast. Every NaN in what is
+returned (decoded, summed or cast) is then the canonical one, ``layout.NAN_BITS``
+(:func:`canonical`): the bits a NaN gets from arithmetic or a cast differ between
+machines (x86's inf * 0 is 0xFFC00000, a GPU's 0x7FFFFFFF; torch's CPU cast of a NaN
+to bf16 is 0xFFFF), and every path must write the same bytes.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ import torch
 from .constants import BOOST, FMIX_C1, FMIX_C2, GOLDEN, GOLDEN_HI, MASK32, TINY, seed_key
 from .layout import (
     HEADER_NBYTES,
+    INT_OF,
+    NAN_BITS,
     effective_scheme_id,
     encode_header,
     levels,
@@ -92,6 +98,18 @@ def uniforms(start: int, n: int, bucket_size: int, seed: int) -> torch.Tensor:
 
 def f32(value: float) -> torch.Tensor:
     return torch.tensor(value, dtype=F32)
+
+
+def plus_zero(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with -0.0 made +0.0 (the meta's zeros, ``qcomm.layout``)."""
+    return torch.where(t == 0, 0.0, t)
+
+
+def canonical(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (fp32, bf16 or fp16) with every NaN the canonical one, ``layout.NAN_BITS``
+    (set through the integer view: bit for bit)."""
+    bits = t.view(INT_OF[t.dtype])
+    return torch.where(torch.isnan(t), NAN_BITS[t.dtype], bits).view(t.dtype)
 
 
 def reciprocal(step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,7 +153,7 @@ def encode_bucket(v: torch.Tensor, u: torch.Tensor | None, config) -> tuple[list
             codes = torch.where(v < 0, 1 << (bits - 1), codes)
         return [float("nan")] * meta_words(sid), codes
     if sid == 0:
-        lo, hi = v[v.argmin()], v[v.argmax()]  # the first of equals: -0.0 == +0.0
+        lo, hi = plus_zero(v.min()), plus_zero(v.max())
         step = (hi - lo) / f32(L - 1)
         s, inv = reciprocal(step)
         return [lo, step], round_position(((v - lo) * s) * inv, u, L - 1)
@@ -183,7 +201,7 @@ def quantize(x: torch.Tensor, config, seed: int) -> torch.Tensor:
         codes.append(k)
     body = torch.cat([
         torch.tensor(list(encode_header(n, x.dtype, config)), dtype=torch.uint8),
-        torch.tensor(meta, dtype=F32).view(torch.uint8),
+        canonical(torch.tensor(meta, dtype=F32)).view(torch.uint8),
         pack_codes(torch.cat(codes), config.bits),
     ])
     payload = torch.zeros(packed_nbytes(n, config), dtype=torch.uint8)
@@ -217,7 +235,7 @@ def dequantize(payload: torch.Tensor, config, numel: int,
     meta = payload[HEADER_NBYTES:meta_end].clone().view(F32).reshape(nb, W)
     codes = unpack_codes(payload[meta_end:meta_end + -(-numel // 8) * bits], bits, numel)
     out = [decode_bucket(meta[i], codes[i * B:(i + 1) * B], sid, bits) for i in range(nb)]
-    return (torch.cat(out) if out else torch.zeros(0, dtype=F32)).to(dtype)
+    return canonical((torch.cat(out) if out else torch.zeros(0, dtype=F32)).to(dtype))
 
 
 def minmax_steps(x: torch.Tensor, config) -> torch.Tensor:
@@ -238,7 +256,7 @@ def dequantize_sum(payloads: list[torch.Tensor | None], config, numel: int, own:
     """The reduce-scatter's receive side: this rank's own chunk (exact) plus the fp32
     decode of every payload that is not None, added in order, one fp32 add each; then
     the reduce op ("sum"; "avg": divided by ``factor``, the world size; "premul":
-    multiplied by it) and one cast to ``dtype``."""
+    multiplied by it) and one cast to ``dtype``; NaNs canonical."""
     acc = own.detach().cpu().reshape(-1).to(F32)
     for p in payloads:
         if p is not None:
@@ -247,18 +265,18 @@ def dequantize_sum(payloads: list[torch.Tensor | None], config, numel: int, own:
         acc = acc / f32(factor)
     elif op == "premul":
         acc = acc * f32(factor)
-    return acc.to(dtype)
+    return canonical(acc.to(dtype))
 
 
 def update_state(state: torch.Tensor, delta: torch.Tensor, numel: int, state_config,
                  delta_config, dtype: torch.dtype = F32) -> tuple[torch.Tensor, torch.Tensor]:
     """One row of a weight-difference gather's receive side (``qcomm.fsdp``): the sum
     ``state + delta`` of two decoded payloads, one fp32 add an element, returned cast to
-    ``dtype``, and that fp32 sum quantized back into a new state payload (``state_config``
-    rounds to nearest: no seed), whose non-finite metadata words are then set to 0 (a
-    bucket holding inf or NaN decodes to zeros next time; codes as :func:`quantize`
-    writes them). Returns (values, new state payload); the state payloads are of fp32
-    sources."""
+    ``dtype`` (NaNs canonical), and that fp32 sum quantized back into a new state
+    payload (``state_config`` rounds to nearest: no seed), whose non-finite metadata
+    words are then set to 0 (a bucket holding inf or NaN decodes to zeros next time;
+    codes as :func:`quantize` writes them). Returns (values, new state payload); the
+    state payloads are of fp32 sources."""
     assert state_config.rounding == "nearest", "a state rounds to nearest"
     acc = dequantize(state, state_config, numel) + dequantize(delta, delta_config, numel)
     new = quantize(acc, state_config, seed=0)
@@ -266,4 +284,4 @@ def update_state(state: torch.Tensor, delta: torch.Tensor, numel: int, state_con
     end = HEADER_NBYTES + 4 * meta_words(sid) * -(-numel // state_config.bucket_size)
     meta = new[HEADER_NBYTES:end].view(F32)
     meta.copy_(torch.nan_to_num(meta, nan=0.0, posinf=0.0, neginf=0.0))
-    return acc.to(dtype), new
+    return canonical(acc.to(dtype)), new

@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+import qcomm  # noqa: E402
 from qcomm import Packed, QuantConfig, dequantize, oracle, quantize  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,16 +52,6 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(ints), b.reshape(-1).view(ints))
 
 
-def same_bits_or_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """:func:`same_bits`, except that NaNs need only be NaN in the same places: the
-    kernels write other NaN bits than torch where a NaN is made (bf16 NaN 0x7FC0, torch
-    2.13's cast 0xFFFF; the sign of nuq's ``inf * 0``), see test_known_nan_bits."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    nan_a, nan_b = torch.isnan(a.float()), torch.isnan(b.float())
-    return torch.equal(nan_a, nan_b) and same_bits(a[~nan_a], b[~nan_b])
-
-
 def gradient_like(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4
@@ -84,14 +75,14 @@ def assert_same_bytes(x, cfg, seed=123):
 
 def assert_same_values(ref, tri):
     """oracle == eager == Triton decoded values (1-D sources: dequantize's default output,
-    the source dtype and shape), bit for bit (NaN-aware against Triton,
-    :func:`same_bits_or_nan`); returns them."""
+    the source dtype and shape), bit for bit, NaNs included (qcomm/layout.py's canonical
+    bits); returns them."""
     want = oracle.dequantize(ref.payload, ref.config, ref.numel, ref.dtype)
     eager = dequantize(ref, impl="eager")
     got = dequantize(tri, impl="triton").cpu()
     assert got.dtype == ref.dtype
     assert same_bits(eager, want), "eager vs oracle: " + describe_mismatch(eager, want)
-    assert same_bits_or_nan(got, want), "triton vs oracle: " + describe_mismatch(got, want)
+    assert same_bits(got, want), "triton vs oracle: " + describe_mismatch(got, want)
     return want
 
 
@@ -154,51 +145,122 @@ def test_triton_nonfinite_buckets(scheme, bits, dtype, rounding):
     assert torch.isnan(ref.meta()).sum() == (3 + 1) * (2 if scheme == "minmax" else 1)
 
 
-# Known disagreements of the kernels with the torch paths (and the oracle): not fixed yet.
-# Expected failures under the interpreter, strict, so a fix fails them (XPASS) until the
-# mark goes; on a GPU expected too but not strict (bench/device_check.sh's summary lists
-# them as xfailed or XPASS: whether the compiled kernels disagree too), so that the
-# tier's failures are only new ones. (The 2026-12-04 lease ran these as plain tests: 3
-# of its 5 unnamed failures were likely these.)
-KNOWN = dict(strict=DEVICE == "cpu")
+# Canonical zeros and NaNs (qcomm/layout.py): every path writes the same bytes where the
+# hardware would pick its own sign of zero or NaN bits. Literal bytes, every path.
+PATHS = ["oracle", "eager", "triton"]  # the compiled path: test_compiled_torch_path_...
+NAN_BITS = [(torch.float32, 0x7FC00000), (torch.bfloat16, 0x7FC0), (torch.float16, 0x7E00)]
 
 
-@pytest.mark.xfail(**KNOWN,
-                   reason="minmax meta: the kernels' min/max of equal zeros keep another "
-                   "sign than the first in the bucket")
-def test_known_signed_zero_meta():
-    """A bucket of values >= 0 with +0.0 first and -0.0 in its second half: the oracle
-    and the torch path store min = +0.0 (the first of equals), the kernels (interpreted,
-    paired halves combined first) -0.0. The decoded values agree (-0 + 0 * step = +0)."""
-    x = torch.cat([torch.tensor([0.0]), torch.full((B // 2 - 1,), 1.0),
-                   torch.tensor([-0.0]), torch.full((B // 2 - 1,), 2.0)])
+def quantize_on(path: str, x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
+    """The payload (on the CPU) of ``x`` quantized by ``path`` (seed 0)."""
+    if path == "oracle":
+        return oracle.quantize(x.cpu(), cfg, 0)
+    device = DEVICE if path == "triton" else "cpu"
+    return quantize(x.to(device), cfg, seed=0, impl=path).payload.cpu()
+
+
+def bits_of(t: torch.Tensor) -> list[int]:
+    """Each element's bits as an unsigned integer."""
+    ints = {2: torch.int16, 4: torch.int32}[t.element_size()]
+    return (t.cpu().view(ints).to(torch.int64) & ((1 << 8 * t.element_size()) - 1)).tolist()
+
+
+@pytest.fixture(params=[None, 8], ids=["lanes-here", "lanes-8"])
+def lanes(request, monkeypatch):
+    """The eager path's 16-bit decodes as this machine runs them, and as an 8-lane (AVX2)
+    one does (stored straight from the graph where an AVX-512 one stages through fp32)."""
+    from qcomm.cpu import dequantize as cpu_dequantize
+
+    if request.param is not None:
+        monkeypatch.setattr(cpu_dequantize, "vector_lanes", lambda: request.param)
+    cpu_dequantize.lane_group.cache_clear()
+    yield request.param
+    cpu_dequantize.lane_group.cache_clear()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("first", [0.0, -0.0], ids=["plus-first", "minus-first"])
+def test_zero_meta_words_are_plus_zero(path, first):
+    """Buckets holding 0.0 and -0.0 in either order (paired halves: the kernels combine
+    the halves before reducing): a zero min is +0.0, and a bucket of zeros has min and
+    step +0.0 (a max of -0.0 minus a min of +0.0 would be -0.0), bytes 00 00 00 00."""
+    other = -first
+    half = B // 2
+    min_zero = torch.tensor([first] + [1.0] * (half - 1) + [other] + [2.0] * (half - 1))
+    zeros = torch.tensor([first, other] * half)
+    x = torch.cat([min_zero, zeros, -min_zero])  # the last: max zero, min -2.0
     cfg = QuantConfig(bits=4, bucket_size=B)
-    want = oracle.quantize(x, cfg, 0)
-    assert torch.equal(quantize(x, cfg, seed=0, impl="eager").payload, want)
-    assert torch.equal(quantize(x.to(DEVICE), cfg, seed=0, impl="triton").payload.cpu(), want)
+    meta = quantize_on(path, x, cfg)[32:32 + 3 * 8].view(torch.float32)
+    assert bits_of(meta[:4]) == [0, bits_of(meta[1:2])[0], 0, 0], bits_of(meta)
+    assert meta[1].item() == pytest.approx(2 / 15) and meta[4].item() == -2.0
+    assert torch.equal(quantize_on(path, x, cfg), oracle.quantize(x, cfg, 0))
 
 
-@pytest.mark.xfail(**KNOWN,
-                   reason="NaN bits: bf16 NaN 0x7FC0 where torch's cast writes 0xFFFF; "
-                   "nuq's sign bit ORed into inf * 0 where torch negates")
-@pytest.mark.parametrize("case", ["bf16-nan", "nuq-l2-overflow"])
-def test_known_nan_bits(case):
-    """Values that decode to NaN get other NaN bits from the kernels than from torch:
-    the kernels' bf16 rounding writes 0x7FC0 (torch 2.13 casts a NaN to 0xFFFF), and nuq
-    sets the sign bit of ``scale * 0`` where torch negates it, which differ for a NaN
-    made there (an L2 norm over fp32's range is inf, and ``inf * 0`` is NaN)."""
-    if case == "bf16-nan":
-        x, dtype = gradient_like(2 * B, torch.float32), torch.bfloat16
+def nan_source(case: str) -> tuple[torch.Tensor, QuantConfig, torch.Tensor]:
+    """(x, config, where the decode is NaN): a bucket holding a NaN (NaN meta: the NaN
+    comes from arithmetic on it), or an L2 norm past fp32's range (meta inf; nuq's level
+    0 times inf is NaN, then its sign bit set: x86 makes 0xFFC00000, then -NaN)."""
+    if case == "nan-bucket":
+        x = gradient_like(2 * B, torch.float32).cpu()
         x[3] = float("nan")
-        cfg = QuantConfig(bits=4, bucket_size=B)
+        return x, QuantConfig(bits=4, bucket_size=B), torch.arange(2 * B) < B
+    x = torch.tensor([3e38, -3e38] * B)
+    return x, QuantConfig(bits=4, bucket_size=B, scheme="nuq", norm="l2"), x == x
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype, nan", NAN_BITS, ids=lambda v: hex(v) if isinstance(v, int)
+                         else str(v))
+@pytest.mark.parametrize("case", ["nan-bucket", "nuq-l2-overflow"])
+def test_decoded_nans_are_canonical(path, dtype, nan, case, lanes):
+    x, cfg, where = nan_source(case)
+    payload = oracle.quantize(x, cfg, 0)
+    if path == "oracle":
+        got = oracle.dequantize(payload, cfg, x.numel(), dtype)
     else:
-        x, dtype = torch.tensor([3e38, -3e38] * (B // 2), device=DEVICE), torch.float32
-        cfg = QuantConfig(bits=4, bucket_size=B, scheme="nuq", norm="l2")
-    ref, tri = assert_same_bytes(x, cfg)
-    want = oracle.dequantize(ref.payload, cfg, ref.numel, dtype)
-    got = dequantize(tri, out=torch.empty(x.numel(), dtype=dtype, device=DEVICE),
-                     impl="triton")
-    assert same_bits(got.cpu(), want)
+        device = DEVICE if path == "triton" else "cpu"
+        out = torch.empty(x.numel(), dtype=dtype, device=device)
+        got = dequantize(Packed(payload.to(device), x.numel(), torch.float32, cfg), out=out,
+                         impl=path).cpu()
+    assert torch.equal(torch.isnan(got), where)
+    assert set(bits_of(got[where])) == {nan}, sorted({hex(b) for b in bits_of(got[where])})
+
+
+@pytest.mark.parametrize("path", ["eager", "triton"])
+def test_sums_write_canonical_nans(path, lanes):
+    """NaNs the output already holds (accumulate), the own chunk brings (a reduce-scatter's
+    sum) or a decode makes (a state update), whatever their bits: the canonical NaN, the
+    oracle's values bit for bit."""
+    device = DEVICE if path == "triton" else "cpu"
+    x, cfg, where = nan_source("nan-bucket")
+    n = x.numel()
+    p = oracle.quantize(x, cfg, 0)
+    finite = oracle.quantize(gradient_like(n, torch.float32, seed=2).cpu(), cfg, 0)
+    acc = torch.ones(n)
+    other_nans = torch.tensor([-0x400000, 0x7FC00001], dtype=torch.int32)  # 0xFFC00000, ...
+    acc.view(torch.int32)[[0, B + 1]] = other_nans
+    want = oracle.canonical(acc + oracle.dequantize(finite, cfg, n))
+    got = acc.to(device)
+    dequantize(Packed(finite.to(device), n, torch.float32, cfg), out=got, accumulate=True,
+               impl=path)
+    assert bits_of(got) == bits_of(want)
+    assert bits_of(want[[0, B + 1]]) == [0x7FC00000] * 2
+    own = acc.to(torch.bfloat16)  # its NaNs as torch's cast makes them (0xFFFF here)
+    rows = torch.stack([finite, finite, p])
+    want = oracle.dequantize_sum([finite, None, p], cfg, n, own, dtype=torch.bfloat16)
+    got = qcomm.dequantize_sum(rows.to(device), n, torch.float32, cfg, own=own.to(device),
+                               out=torch.empty(n, dtype=torch.bfloat16, device=device),
+                               skip=1, impl=path)
+    assert bits_of(got) == bits_of(want) and set(bits_of(want[where])) == {0x7FC0}
+    state_cfg = QuantConfig(bits=8, bucket_size=B, rounding="nearest")
+    state = oracle.quantize(gradient_like(n, torch.float32, seed=3).cpu(), state_cfg, 0)
+    want, new = oracle.update_state(state, p, n, state_cfg, cfg, dtype=torch.float16)
+    rows = state.view(1, -1).to(device)
+    got = qcomm.update_state_rows(rows, p.view(1, -1).to(device), n, state_cfg, cfg,
+                                  out=torch.empty(1, n, dtype=torch.float16, device=device),
+                                  impl=path)
+    assert bits_of(got[0]) == bits_of(want) and set(bits_of(want[where])) == {0x7E00}
+    assert torch.equal(rows[0].cpu(), new)
 
 
 @pytest.mark.parametrize("scheme", ["minmax", "nuq"])
@@ -305,8 +367,20 @@ def test_warps_reach_the_launch_with_the_same_bytes(warps, monkeypatch):
     assert real(B) == 1 and real(8192) == 8 and real(8192, warps) == warps
 
 
+def with_specials(x: torch.Tensor, bucket_size: int) -> torch.Tensor:
+    """``x`` with its first bucket zeros of both signs (-0.0 first: canonical +0.0 meta)
+    and a NaN in its last element (NaN meta, canonical NaNs decoded)."""
+    x = x.clone()
+    first = x[:bucket_size]
+    first.copy_(torch.where(torch.arange(first.numel()) % 3 == 0, -0.0, 0.0))
+    x[-1] = float("nan")
+    return x
+
+
 # The compiled CPU path: one compile per configuration (~10-25 s each on 2 cores), so a
-# few representative ones; the eager reference stands for the rest.
+# few representative ones; the eager reference stands for the rest. CPU tensors only:
+# redundant on a GPU, where the GPU tier skips them (the CPU suite runs them).
+@pytest.mark.skipif(DEVICE == "cuda", reason="the CPU path's compiles: the CPU suite's")
 @pytest.mark.parametrize(
     "cfg, dtype",
     [
@@ -332,7 +406,7 @@ def test_compiled_torch_path_matches_eager(cfg, dtype):
     for i, n in enumerate((512, 256, 515, 2048, 1024, 2051, 8192, 5000)):
         if i == 6:
             graphs = counters["stats"]["unique_graphs"]
-        x = gradient_like(n, dtype, seed=n).cpu()
+        x = with_specials(gradient_like(n, dtype, seed=n).cpu(), cfg.bucket_size)
         a = quantize(x, cfg, seed=9, impl="torch")
         b = quantize(x, cfg, seed=9, impl="eager")
         assert torch.equal(a.payload, b.payload), describe_mismatch(a.payload, b.payload)
@@ -346,9 +420,12 @@ def test_compiled_torch_path_matches_eager(cfg, dtype):
         dequantize(a, out=acc, accumulate=True, impl="torch")
         dequantize(b, out=acc_eager, accumulate=True, impl="eager")
         assert same_bits(acc, acc_eager)
+        assert same_bits(acc, oracle.canonical(1.0 + oracle.dequantize(want, cfg, n)))
     assert counters["stats"]["unique_graphs"] == graphs, "a new length compiled a new graph"
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every kernel test compiles its "
+                    "kernels for real")
 def test_kernels_compile_for_hopper():
     """The full Triton pipeline down to an sm_90 cubin, which the interpreter never runs:
     a kernel that interprets fine can still fail to compile (it did, on triton 3.6)."""

@@ -10,7 +10,7 @@ import functools
 import torch
 
 from ..layout import effective_scheme_id, levels, meta_words
-from .common import eager, pieces, row_chunks, store, unpack_codes
+from .common import canonical_nans, eager, pieces, row_chunks, store, unpack_codes, write
 
 
 def dequantize(meta: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, config,
@@ -191,6 +191,8 @@ def dequantize_flat(
             o.narrow(-2, r, stop - r).copy_(tmp)
     for o, m, c, _ in singles:
         _decode_single(run_single, m, c, o, bucket_size=B, bits=bits, accumulate=accumulate)
+    if not accumulate:  # (accumulating stores select in the graph: out's NaNs too)
+        canonical_nans(out, meta)
     return out
 
 
@@ -226,7 +228,7 @@ def decode_sum_buckets(meta, codes, own, out, factor, *, rows, op, bits, bucket_
     for r in rows:
         y = y + _decode_whole(meta[r], codes[r], bits=bits, bucket_size=bucket_size, sid=sid,
                               group=group)
-    out.copy_(_apply_op(y, factor, op))
+    write(out, _apply_op(y, factor, op))
 
 
 def _apply_op(y, factor, op):
@@ -241,7 +243,7 @@ def decode_sum_bucket(meta, codes, own, out, factor, *, rows, op, bits, bucket_s
         k = unpack_codes(codes[r], bits)
         y = y + _decode_buckets(meta[r].view(1, -1), k.view(1, bucket_size), bits=bits,
                                 sid=sid).view(-1)
-    out.copy_(_apply_op(y, factor, op))
+    write(out, _apply_op(y, factor, op))
 
 
 decode_sum_bucket.static_shapes = True
@@ -336,14 +338,14 @@ def dequantize_sum(meta: torch.Tensor, codes: torch.Tensor, own: torch.Tensor,
                 tmp = buf[: (stop - r) * B].view(-1, B)
                 run_whole(m.narrow(1, r, stop - r), c.narrow(1, r, stop - r), own_w[r:stop],
                           tmp, fac)
-                o[r:stop].copy_(tmp)
+                write(o[r:stop], tmp)
     run_single = wrap(decode_sum_bucket, **static)
     for o, m, c, start in singles:
         mine = torch.zeros(B, dtype=torch.float32, device=out.device)
         mine[: o.numel()].copy_(own[start:start + o.numel()])
         y = torch.empty(B, dtype=torch.float32, device=out.device)
         run_single(m.contiguous(), _full_codes(c, B * bits // 8).contiguous(), mine, y, fac)
-        o.copy_(y[: o.numel()])
+        write(o, y[: o.numel()])
 
 
 @functools.lru_cache(maxsize=64)

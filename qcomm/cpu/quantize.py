@@ -19,6 +19,7 @@ from .common import (
     pack_codes,
     pair_hash,
     pieces,
+    plus_zero,
     row_chunks,
     uniform,
 )
@@ -362,8 +363,9 @@ def bucket_stats(xp, valid, *, sid, bits, l2, divisor):
     if sid == 0:  # minmax
         lo_in = xp if valid is None else torch.where(valid, xp, float("inf"))
         hi_in = xp if valid is None else torch.where(valid, xp, float("-inf"))
-        offset = bucket_reduce(lo_in, torch.amin)
-        step = (bucket_reduce(hi_in, torch.amax) - offset) / divisor
+        # zeros +0.0 (qcomm.layout): the reductions meet -0.0 and +0.0 in any order
+        offset = plus_zero(bucket_reduce(lo_in, torch.amin))
+        step = (plus_zero(bucket_reduce(hi_in, torch.amax)) - offset) / divisor
         meta = torch.cat([torch.where(bad, nan, offset), torch.where(bad, nan, step)], dim=-1)
     else:  # padding is 0: it changes neither max |x| nor the L2 norm
         if l2:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import eager
+from .common import eager, write
 from .dequantize import dequantize
 from .quantize import quantize
 
@@ -49,7 +49,7 @@ def update_state(s_meta: torch.Tensor, s_codes: torch.Tensor, d_meta: torch.Tens
         dequantize(d_meta, d_codes, y, delta_config, True, wrap=wrap)
         quantize(y, s_meta, s_codes, state_config, [0] * R, wrap=wrap)
     if y is not out:
-        out.copy_(y)
+        write(out, y)  # one cast, NaNs canonical
     # a non-finite bucket's meta is NaN (qcomm/layout.py): zero meta decodes to 0 in
     # every scheme (its codes are all zero), a few bytes a bucket, not a pass
     s_meta.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
