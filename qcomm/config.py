@@ -28,6 +28,9 @@ NORMS: tuple[str, ...] = ("max", "l2")
 ROUNDINGS: tuple[str, ...] = ("stochastic", "nearest")
 TOPOLOGIES: tuple[str, ...] = ("auto", "flat")
 INTRA_NODE: tuple[str, ...] = ("exact", "compress")
+# The compressed collective kinds: every per-kind setting (CommConfig's fields, the
+# environment's AG/RS/AR prefixes, stats) is keyed by these.
+KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce")
 
 # One Triton program quantizes one whole bucket out of registers, so the bucket is
 # bounded: 32768 fp32 values are 128 KiB, the most that still compiles to a
@@ -133,9 +136,20 @@ class CommConfig:
     # Warps per Triton program: 0 picks by bucket size (qcomm.kernels.common.num_warps),
     # else one of WARPS (bench/device_check.sh compares settings). The same bytes.
     triton_warps: int = 0
+    # The kinds whose calls are sent exact or compressed (in their QuantConfig) by what
+    # the group's measured costs predict faster (qcomm.auto; QCOMM_BITS=auto): a tuple
+    # of KINDS, or True for every kind, False for none.
+    auto: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("all_gather", "reduce_scatter", "all_reduce"):
+        if self.auto is True or self.auto is False:
+            object.__setattr__(self, "auto", KINDS if self.auto else ())
+        if (not isinstance(self.auto, (tuple, list, frozenset, set))
+                or any(k not in KINDS for k in self.auto)):
+            raise ValueError(f"CommConfig.auto must be True, False or a tuple of {KINDS}, "
+                             f"got {self.auto!r}")
+        object.__setattr__(self, "auto", tuple(k for k in KINDS if k in self.auto))
+        for name in KINDS:
             value = getattr(self, name)
             if value is not None and not isinstance(value, QuantConfig):
                 raise TypeError(
@@ -196,6 +210,9 @@ def as_comm_config(config, fn: str) -> CommConfig | None:
                     f"collective) or None (QCOMM_*), got {config!r}")
 
 
+# The environment's prefix of each kind's variables (QCOMM_AG_BITS, ...), in KINDS' order.
+PREFIXES: tuple[str, ...] = ("AG", "RS", "AR")
+
 # (variable suffix, QuantConfig field) of the codec settings the environment can set.
 _CODEC_VARS = (("BUCKET", "bucket_size"), ("SCHEME", "scheme"), ("NORM", "norm"),
                ("ROUNDING", "rounding"))
@@ -211,18 +228,24 @@ def _parse_int(env: Mapping[str, str], name: str, default: int) -> int:
         raise ValueError(f"{name}={raw!r} is not an integer") from None
 
 
-def _parse_bits(env: Mapping[str, str], name: str, default: int | None) -> int | None:
+AUTO = "auto"
+
+
+def _parse_bits(env: Mapping[str, str], name: str, default):
+    """``name``'s bits: 1..8, None (``off``), :data:`AUTO`, or ``default`` if unset."""
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
     if raw.strip().lower() in ("off", "none", "0", "exact"):
         return None
+    if raw.strip().lower() == AUTO:
+        return AUTO
     try:
         bits = int(raw.strip())
     except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected 1..8 or 'off'") from None
+        raise ValueError(f"{name}={raw!r}: expected 1..8, 'off' or 'auto'") from None
     if not 1 <= bits <= 8:
-        raise ValueError(f"{name}={raw!r}: expected 1..8 or 'off'")
+        raise ValueError(f"{name}={raw!r}: expected 1..8, 'off' or 'auto'")
     return bits
 
 
@@ -231,8 +254,10 @@ def comm_config_from_env(
 ) -> CommConfig:
     """Map ``QCOMM_*`` environment variables onto a :class:`CommConfig`.
 
-    ``QCOMM_BITS`` (1-8 or ``off``, all three collectives), ``QCOMM_AG_BITS``,
-    ``QCOMM_RS_BITS``, ``QCOMM_AR_BITS`` (one collective's, over ``QCOMM_BITS``),
+    ``QCOMM_BITS`` (1-8, ``off`` or ``auto``, all three collectives), ``QCOMM_AG_BITS``,
+    ``QCOMM_RS_BITS``, ``QCOMM_AR_BITS`` (one collective's, over ``QCOMM_BITS``;
+    ``auto``: :attr:`CommConfig.auto` for it, in the bits ``QCOMM_BITS`` names if it is
+    a number, else the base config's, else 8),
     ``QCOMM_BUCKET``, ``QCOMM_SCHEME``, ``QCOMM_NORM``, ``QCOMM_ROUNDING``,
     ``QCOMM_MIN_NUMEL``, ``QCOMM_SEED``, ``QCOMM_INNER``, ``QCOMM_TOPOLOGY``
     (``auto``/``flat``), ``QCOMM_INTRA_NODE`` (``exact``/``compress``), ``QCOMM_ASYNC``
@@ -261,10 +286,20 @@ def comm_config_from_env(
                     found[field_] = (var, value)
         return found
 
-    def one(prefix: str, current: QuantConfig | None) -> QuantConfig | None:
+    auto = set(base.auto)
+
+    def one(prefix: str, kind: str, current: QuantConfig | None) -> QuantConfig | None:
         var = f"QCOMM_{prefix}_BITS"
-        default_bits = None if current is None else current.bits
-        bits = _parse_bits(env, var, _parse_bits(env, "QCOMM_BITS", default_bits))
+        common = _parse_bits(env, "QCOMM_BITS", None)
+        bits = _parse_bits(env, var, _parse_bits(env, "QCOMM_BITS", ""))
+        if bits == "":  # neither variable set: the base config's, auto or not
+            bits = None if current is None else current.bits
+        elif bits == AUTO:  # the bits a number would give: QCOMM_BITS's, else the base's
+            auto.add(kind)
+            bits = (common if isinstance(common, int) else
+                    current.bits if current is not None else template.bits)
+        else:
+            auto.discard(kind)
         if bits is None:
             return None
         start = current if current is not None else template
@@ -292,22 +327,23 @@ def comm_config_from_env(
     if warps and warps not in WARPS:
         raise ValueError(f"QCOMM_TRITON_WARPS={env['QCOMM_TRITON_WARPS']!r}: expected 0 "
                          f"(by bucket size) or one of {WARPS}")
+    per_kind = {kind: one(prefix, kind, getattr(base, kind))
+                for prefix, kind in zip(PREFIXES, KINDS, strict=True)}
     return CommConfig(
         **choice,
+        **per_kind,
         triton_warps=warps,
-        all_gather=one("AG", base.all_gather),
-        reduce_scatter=one("RS", base.reduce_scatter),
-        all_reduce=one("AR", base.all_reduce),
         min_numel=_parse_int(env, "QCOMM_MIN_NUMEL", base.min_numel),
         seed=_parse_int(env, "QCOMM_SEED", base.seed),
         inner=inner,
+        auto=tuple(auto),
     )
 
 
 # Every variable comm_config_from_env reads, the source of the keys env_from_keys takes.
 VARIABLES: tuple[str, ...] = (
     "QCOMM_BITS", "QCOMM_BUCKET", "QCOMM_SCHEME", "QCOMM_NORM", "QCOMM_ROUNDING",
-    *(f"QCOMM_{p}_{k}" for p in ("AG", "RS", "AR")
+    *(f"QCOMM_{p}_{k}" for p in PREFIXES
       for k in ("BITS", "BUCKET", "SCHEME", "NORM", "ROUNDING")),
     "QCOMM_MIN_NUMEL", "QCOMM_SEED", "QCOMM_INNER", "QCOMM_TOPOLOGY", "QCOMM_INTRA_NODE",
     "QCOMM_ASYNC", "QCOMM_COMPILE", "QCOMM_TRITON_WARPS",

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from . import handshake, purpose
+from . import auto, handshake, purpose
 from . import inner as I
 from .codec import FLOAT_DTYPES, codec_options
 from .config import CommConfig, QuantConfig, comm_config_from_env
@@ -144,6 +145,8 @@ class GroupState:
         # Why every call of this group goes exact, whatever its config (a mesh dimension
         # that is not data-parallel: qcomm.purpose); None: calls may compress.
         self.exact_reason: str | None = None
+        # bits=auto's measured model (qcomm.auto), made at the first call it decides
+        self.auto: auto.Model | None = None
 
     def codec_for(self, device: torch.device) -> dict:
         """The codec keywords of this group's calls on ``device``
@@ -434,12 +437,21 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
     handshake.ensure_agreed(group, state, kind, tensor.device)
     inner = state.inner
     q = quant_config(kind, state, config)
-    if not (can_compress and state.plan != EXACT and purpose.may_compress(state)
-            and compressible(tensor, numel, state.world, q, state.config.min_numel, op)):
+    may = (can_compress and state.plan != EXACT and purpose.may_compress(state)
+           and compressible(tensor, numel, state.world, q, state.config.min_numel, op))
+    predicted = None  # auto's (exact, compressed) seconds, where it decides
+    if may and kind in state.config.auto:
+        may, *predicted = decide(state, kind, numel, tensor, q)
+    if not may:
         state.stats.record(kind, compressed=False, logical=logical, wire=logical,
-                           intra=split_intra(state, logical))
+                           intra=split_intra(state, logical), predicted=predicted)
         state.engine.drain()  # the inner group's calls in every rank's same order
-        return exact()
+        if predicted is None or async_op:
+            return exact()
+        start = time.perf_counter()
+        got = exact()
+        state.auto.observe(kind, False, time.perf_counter() - start, predicted[0])
+        return got
     rank, codec = inner.rank(), state.codec_for(tensor.device)
 
     def body() -> None:
@@ -454,7 +466,8 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
                 state.fail(err)
                 raise
             state.calls += 1
-        state.stats.record(kind, compressed=True, logical=logical, wire=wire, intra=intra)
+        state.stats.record(kind, compressed=True, logical=logical, wire=wire, intra=intra,
+                           predicted=predicted)
 
     if async_op and state.config.asynchronous:
         if tensor.device.type == "cpu":
@@ -466,5 +479,26 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
     side = state.streams.get(tensor.device.index) if tensor.device.type == "cuda" else None
     if side is not None:  # after the async calls still on qcomm's stream (shared state)
         torch.cuda.current_stream(tensor.device).wait_stream(side)
+    start = time.perf_counter()
     body()
+    if predicted is not None and tensor.device.type == "cpu":
+        state.auto.observe(kind, True, time.perf_counter() - start, predicted[1])
     return I.completed_work(result) if async_op else None
+
+
+def decide(state: GroupState, kind: str, numel: int, tensor: torch.Tensor,
+           q: QuantConfig) -> tuple[bool, float, float]:
+    """bits=auto's choice for one call (:mod:`qcomm.auto`): (compress?, predicted exact
+    and compressed seconds). The group's model is measured at its first decided call
+    and refreshed every :data:`qcomm.auto.REFRESH` of a kind, each a collective on the
+    inner group at the same call on every rank, after the calls in flight."""
+    model = state.auto
+    if model is None:
+        state.engine.drain()
+        configs = [getattr(state.config, k) for k in state.config.auto]
+        model = state.auto = auto.calibrate(state, kind, tensor.device,
+                                            [c for c in configs if c is not None] or [q])
+    if model.due(kind):
+        state.engine.drain()
+        auto.refresh(state, model, kind, tensor.device)
+    return model.decide(kind, numel, tensor.dtype, q)

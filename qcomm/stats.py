@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+from .config import KINDS
 
 
 @dataclass
@@ -38,6 +38,12 @@ class CollectiveStats:
     # information (a group of one node, or flat) every peer counts as on another node.
     intra_node_bytes: int = 0
     inter_node_bytes: int = 0
+    # bits=auto (qcomm.auto): the calls its model sent each way (of calls_exact and
+    # calls_compressed), and why: its predicted seconds of both paths, summed over them
+    auto_exact: int = 0
+    auto_compressed: int = 0
+    predicted_exact_s: float = 0.0
+    predicted_compressed_s: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -53,15 +59,22 @@ class Stats:
         self._by_kind = {k: CollectiveStats() for k in KINDS}
 
     def record(self, kind: str, *, compressed: bool, logical: int, wire: int,
-               intra: int = 0) -> None:
+               intra: int = 0, predicted: tuple[float, float] | None = None) -> None:
         """One call: ``wire`` bytes sent to peers, ``intra`` of them to peers on this
-        rank's node."""
+        rank's node; ``predicted``: auto's (exact, compressed) seconds where it decided."""
         with self._lock:
             s = self._by_kind[kind]
             if compressed:
                 s.calls_compressed += 1
             else:
                 s.calls_exact += 1
+            if predicted is not None:
+                if compressed:
+                    s.auto_compressed += 1
+                else:
+                    s.auto_exact += 1
+                s.predicted_exact_s += predicted[0]
+                s.predicted_compressed_s += predicted[1]
             s.logical_bytes += logical
             s.wire_bytes += wire
             s.intra_node_bytes += intra

@@ -179,3 +179,29 @@ def test_common_bits_and_config_keys():
         env_from_keys("bits=4,colour=red")
     with pytest.raises(ValueError, match="QCOMM_BITS='9'"):
         env_from_keys("bits=9")
+
+
+def test_bits_auto():
+    """QCOMM_BITS=auto marks every kind auto, in the bits a number would give (QCOMM_BITS
+    is not one: the base's, else 8); a kind's own number wins and is fixed; a kind's
+    own auto takes QCOMM_BITS's number. CommConfig(auto=True) is every kind."""
+    c = comm_config_from_env({"QCOMM_BITS": "auto"})
+    assert c.auto == ("all_gather", "reduce_scatter", "all_reduce") == CommConfig(auto=True).auto
+    assert c.all_gather == c.reduce_scatter == c.all_reduce == QuantConfig(bits=8)
+    c = comm_config_from_env({"QCOMM_BITS": "auto", "QCOMM_AG_BITS": "4"})
+    assert c.auto == ("reduce_scatter", "all_reduce") and c.all_gather.bits == 4
+    c = comm_config_from_env({"QCOMM_BITS": "4", "QCOMM_RS_BITS": "AUTO"})
+    assert c.auto == ("reduce_scatter",) and c.reduce_scatter.bits == c.all_gather.bits == 4
+    c = comm_config_from_env({"QCOMM_BITS": "off", "QCOMM_AR_BITS": "auto"})
+    assert c.auto == ("all_reduce",) and c.all_reduce.bits == 8 and c.all_gather is None
+    base = CommConfig(auto=True, all_gather=QuantConfig(bits=2))
+    assert comm_config_from_env({}, base=base).auto == base.auto
+    assert comm_config_from_env({"QCOMM_AG_BITS": "auto"}, base=base).all_gather.bits == 2
+    assert comm_config_from_env({"QCOMM_AG_BITS": "8"}, base=base).auto == (
+        "reduce_scatter", "all_reduce")
+    assert CommConfig(auto=False).auto == () and CommConfig(auto=["all_reduce"]).auto == (
+        "all_reduce",)
+    with pytest.raises(ValueError, match="CommConfig.auto"):
+        CommConfig(auto=("all_to_all",))
+    with pytest.raises(ValueError, match="QCOMM_BITS='automatic'"):
+        comm_config_from_env({"QCOMM_BITS": "automatic"})

@@ -1,0 +1,133 @@
+"""bits=auto (qcomm.auto): a model measured on the group decides each call exact or
+compressed; every rank holds the same model and decides alike; a compressed call is
+the fixed setting's, byte for byte; every probe byte is counted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import make, run_ranks
+
+import qcomm
+from qcomm.auto import Line, Model
+
+Q8 = qcomm.QuantConfig(bits=8)
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def _model(bandwidth: float, latency: float = 1e-4, codec: float = 2e-9,
+           world: int = 2) -> Model:
+    """A flat model: every inner call ``latency + bytes / bandwidth``; the codec ``codec``
+    seconds an element for quantize, decode and decode-sum alike."""
+    line = Line(latency, 1 / bandwidth)
+    return Model(world=world, exact=dict.fromkeys(KINDS, line), gather=line, exchange=line,
+                 intra_gather=None, intra_exchange=None, nodes=world,
+                 codec={Q8: (codec, codec, codec)})
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_slow_link_compresses_large_calls_and_a_fast_one_none(kind):
+    """At 100 Mbit/s (12.5 MB/s) the bytes dominate: large calls compress, a tiny one
+    (latency only, two exchanges where exact has one) stays exact; at 10 GB/s the codec
+    costs more than the bytes save at every size."""
+    slow, fast = _model(12.5e6), _model(10e9)
+    for numel in (1 << 16, 1 << 20, 1 << 24):
+        compress, exact_s, compressed_s = slow.decide(kind, numel, torch.float32, Q8)
+        assert compress and compressed_s < exact_s / 2, (kind, numel, exact_s, compressed_s)
+        assert not fast.decide(kind, numel, torch.float32, Q8)[0], (kind, numel)
+    assert not slow.decide(kind, 64, torch.float32, Q8)[0]
+    # bf16 halves the bytes exact sends, not the payload's: the crossover moves up
+    medium = _model(400e6)
+    assert medium.decide("all_gather", 1 << 22, torch.float32, Q8)[0]
+    assert not medium.decide("all_gather", 1 << 22, torch.bfloat16, Q8)[0]
+
+
+def test_a_refresh_scales_a_path_by_what_was_observed():
+    model = _model(12.5e6)
+    numel = 1 << 20
+    assert model.decide("all_gather", numel, torch.float32, Q8)[0]
+    _, exact_s, compressed_s = model.decide("all_gather", numel, torch.float32, Q8)
+    # compressed calls observed 8x slower than predicted: a refresh moves the prediction
+    # 4x (MAX_CORRECTION) at most; two refreshes flip the decision
+    model.correction[("all_gather", True)] = 16.0
+    model.decisions.clear()
+    assert not model.decide("all_gather", numel, torch.float32, Q8)[0]
+
+
+def _auto_body(rank, world):
+    """Two ranks, each its own node, a slow link simulated in the probes (every probe
+    call takes its bytes at 100 Mbit/s on top of its real time; rank 1's probes run 3x
+    slower besides): every rank holds the same model and makes the same decisions; a
+    call auto compresses is the fixed 8-bit group's, byte for byte; every byte the
+    probes handed over is counted."""
+    import qcomm.auto as A
+    import qcomm.inner as I
+    from test_wire import ByteCounter
+
+    real_time = A._Probes._time
+
+    def slow(self, fn, group, *args, to_peers):
+        got = real_time(self, fn, group, *args, to_peers=to_peers)
+        return got * (3 if rank else 1) + to_peers / 12.5e6
+
+    A._Probes._time = slow
+    A.REFRESH = 4
+    decided, real_decide = [], A.Model.decide
+
+    def logged(self, kind, numel, dtype, q):
+        got = real_decide(self, kind, numel, dtype, q)
+        decided.append((numel, got[0]))
+        return got
+
+    A.Model.decide = logged
+    counters, real_make = [], I.make_inner
+
+    def counted(*args, **kwargs):
+        counters.append(ByteCounter(real_make(*args, **kwargs)))
+        return counters[-1]
+
+    I.make_inner = counted
+    auto = qcomm.wrap(dist.group.WORLD, qcomm.CommConfig(auto=True, min_numel=0))
+    fixed = qcomm.wrap(dist.group.WORLD, qcomm.CommConfig())
+    res = {"outs": [], "same_bytes": []}
+    for numel in (64 * 1024, 1 << 18, 64, 1 << 18, 1 << 18, 1 << 18, 1 << 18):
+        x = make(rank, numel, salt=numel)
+        out = torch.empty(world * numel)
+        qcomm.all_gather_into_tensor(out, x, auto)
+        res["outs"].append(out)
+    big = make(rank, 1 << 18, salt=1)
+    a, f = torch.empty(world << 18), torch.empty(world << 18)
+    s = auto._qcomm_state
+    s.calls = fixed._qcomm_state.calls = 0  # the same call index on both: the same seeds
+    qcomm.all_gather_into_tensor(a, big, auto)
+    qcomm.all_gather_into_tensor(f, big, fixed)
+    res["same_bytes"] = torch.equal(a, f)
+    stats = qcomm.stats(auto)["all_gather"]
+    res["stats"] = (stats.auto_exact, stats.auto_compressed, stats.calls_exact,
+                    stats.calls_compressed, stats.predicted_exact_s > 0,
+                    stats.predicted_compressed_s > 0)
+    res["model"] = qcomm.auto.describe(auto)
+    res["decisions"] = decided
+    res["counted"] = sum(c.to_peers for c in counters)
+    res["wire"] = sum(v.wire_bytes for g in (auto, fixed) for v in qcomm.stats(g).values())
+    return res
+
+
+def test_every_rank_decides_alike_and_compresses_as_the_fixed_setting():
+    r0, r1 = run_ranks(_auto_body, 2, backend="gloo", timeout=180)
+    assert r0["model"] == r1["model"] and r0["decisions"] == r1["decisions"], (r0, r1)
+    assert r0["model"]["correction"], r0["model"]  # refreshed (REFRESH = 4)
+    decided = r0["decisions"]
+    assert [numel for numel, _ in decided] == [65536] + [1 << 18, 64] + [1 << 18] * 5
+    assert all(compress for numel, compress in decided if numel == 1 << 18), decided
+    # 64 elements: the descriptor's round trip costs more than 192 bytes save
+    assert not any(compress for numel, compress in decided if numel == 64), decided
+    for r in (r0, r1):
+        auto_exact, auto_compressed, exact, compressed, pe, pc = r["stats"]
+        assert auto_exact >= 1 and auto_compressed >= 5 and pe and pc, r["stats"]
+        assert (auto_exact, auto_compressed) == (exact, compressed), r["stats"]
+        assert r["same_bytes"], "auto's compressed call differs from the fixed setting's"
+        assert r["counted"] == r["wire"], (r["counted"], r["wire"])
+    for out0, out1 in zip(r0["outs"], r1["outs"], strict=True):
+        assert torch.equal(out0, out1)  # every rank decoded the same bytes
