@@ -61,9 +61,10 @@ def _auto_body(rank, world):
     slower besides): every rank holds the same model and makes the same decisions; a
     call auto compresses is the fixed 8-bit group's, byte for byte; every byte the
     probes handed over is counted."""
+    from test_wire import ByteCounter
+
     import qcomm.auto as A
     import qcomm.inner as I
-    from test_wire import ByteCounter
 
     real_time = A._Probes._time
 
