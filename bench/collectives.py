@@ -63,7 +63,12 @@ nodes: ``inter(B)`` / ``intra(B)``, the bytes one rank sends per call to
 peers on other nodes / on its own (qcomm.stats' ``inter_node_bytes`` /
 ``intra_node_bytes``, averaged over the ranks; for exact and bf16 the same
 direct-exchange count from the layout), and ``vs_flat`` (a ``topology=auto`` config's
-time against the same config with ``topology=flat``).
+time against the same config with ``topology=flat``). A ``bits=auto`` config adds what
+its model chose for the point and the two times it predicted, beside the measured
+``time(us)`` (the model is measured at the config's first call, in the warm-up)::
+
+    python -m bench collectives --link 1gbit --config exact --config bits=8 \
+        --config bits=auto --sizes 2^16..2^26:2
 """
 
 from __future__ import annotations
@@ -316,6 +321,10 @@ def _measure(case: Case, variant: str, rounds: list[list[float]], ref: torch.Ten
         stat = qcomm.stats(vgroup, reset=True)[case.coll]
         row["wire"] = stat.wire_bytes
         row["compressed"] = stat.calls_compressed > 0
+        if stat.auto_exact + stat.auto_compressed:  # bits=auto: its choice and why
+            row.update(auto="compressed" if stat.auto_compressed else "exact",
+                       pred_exact_us=stat.predicted_exact_s * 1e6,
+                       pred_compressed_us=stat.predicted_compressed_s * 1e6)
     row["ratio"] = exact_wire / row["wire"] if row["wire"] else float("nan")
     _split_bytes(row, stat, case, spec["nodes"], group, dist)
     return row
@@ -409,10 +418,12 @@ def worker(spec: dict) -> None:
 # --------------------------------------------------------------------------- driver
 
 
-def columns(*, topology: bool = False, rounds: int = 1, overlap: bool = False) -> list[Column]:
+def columns(*, topology: bool = False, rounds: int = 1, overlap: bool = False,
+            auto: bool = False) -> list[Column]:
     """The table: nccl-tests' columns, ours, the bytes by node; ``topology``: auto's
     ``vs_flat``; ``rounds`` > 1: the spread of the round medians; ``overlap``: the
-    serial and overlapped times and their ratio."""
+    serial and overlapped times and their ratio; ``auto``: bits=auto's choice and the
+    two times its model predicted, beside ``time(us)``, the measured one."""
     cols = [Column("size", "size"), Column("count", "count"), Column("type", "type"),
             Column("variant", "variant"), Column("time_us", "time(us)", "{:.1f}"),
             Column("algbw", "algbw(GB/s)", "{:.3f}"), Column("busbw", "busbw(GB/s)", "{:.3f}"),
@@ -428,6 +439,9 @@ def columns(*, topology: bool = False, rounds: int = 1, overlap: bool = False) -
                  Column("overlap_ms", "overlap(ms)", "{:.1f}"),
                  Column("overlap", "overlap/serial", "{:.2f}"),
                  Column("issue_max", "issue/call", "{:.3f}")]
+    if auto:
+        cols += [Column("auto", "auto"), Column("pred_exact_us", "pred_exact(us)", "{:.1f}"),
+                 Column("pred_compressed_us", "pred_compr(us)", "{:.1f}")]
     return cols
 
 
@@ -475,7 +489,8 @@ def run_one(args, rate: str | None) -> None:
     print("# ranks (node@hostname): " + ", ".join(
         f"{r} {h['node']}@{h['hostname']}" for r, h in enumerate(header["ranks"])))
     cols = columns(rounds=args.rounds, overlap=args.overlap,
-                   topology=any(common.flat_twin(v) for v in labels))
+                   topology=any(common.flat_twin(v) for v in labels),
+                   auto=any("auto" in r for r in rows))
     folder = common.results_dir(args.out, header)
     stem = (f"collectives-{tag}" + (f"-{layout}" if layout else "")
             + ("-overlap" if args.overlap else ""))

@@ -9,7 +9,9 @@ per collective, the bytes this rank sent compressed against what gloo would send
 what the run showed and what to run next: on loopback the bytes saved cost nothing to
 send, so the wall time shows the codec's cost, not compression's gain; the shaped-link
 benchmarks (``python -m bench collectives --link 100mbit``, ``python -m bench train
---link 100mbit``) show the gain.
+--link 100mbit``) show the gain. Last, the same training once more with ``bits=auto``
+(:mod:`qcomm.auto`: each call exact or compressed, whichever a model measured on this
+link and codec predicts faster), and what it chose: on loopback, exact.
 
 Launched here, each process plays one host (``QCOMM_NODE=host<rank>``): under the
 default ``QCOMM_TOPOLOGY=auto`` ranks of one node send exact, and on one machine every
@@ -76,11 +78,12 @@ def train_fsdp2(mesh, steps: int, dim: int) -> list[float]:
 
 def train(model: nn.Module, rank: int, steps: int, lr: float = 3e-3) -> list[float]:
     """``steps`` Adam steps of ``model`` (a TinyLM, wrapped any way) on ``rank``'s
-    batches; the losses."""
+    batches, on the model's device (tokens and targets both); the losses."""
     opt = torch.optim.Adam(model.parameters(), lr=lr)
+    device = next(model.parameters()).device
     losses = []
     for step in range(steps):
-        x, y = batch(rank, step)
+        x, y = (t.to(device) for t in batch(rank, step))
         loss = nn.functional.cross_entropy(model(x).view(-1, VOCAB), y.view(-1))
         loss.backward()
         opt.step()
@@ -106,9 +109,15 @@ def _run(steps: int, dim: int) -> None:
     ours = train_fsdp2(init_device_mesh("cpu", (world,)), steps, dim)
     t2 = time.perf_counter()
     snap = qcomm.stats()
+    cfg = dist.group.WORLD.config
+    # bits=auto: the same config, each call exact or compressed by what this link costs
+    auto_group = qcomm.wrap(dist.group.WORLD, cfg.replace(auto=True))
+    t3 = time.perf_counter()
+    train_fsdp2(DeviceMesh.from_group(auto_group, "cpu"), steps, dim)
+    t4 = time.perf_counter()
+    auto = qcomm.stats(auto_group)
     if rank != 0:
         return
-    cfg = dist.group.WORLD.config
     bits = {k: (getattr(cfg, k).bits if getattr(cfg, k) else "off")
             for k in ("all_gather", "reduce_scatter")}
     params = sum(p.numel() for p in TinyLM(dim).parameters())
@@ -124,6 +133,7 @@ def _run(steps: int, dim: int) -> None:
     print("\nbytes rank 0 sent to its peers in the qcomm run:")
     print(format_table(snap))
     print(_what_it_showed(snap, base, ours, t1 - t0, t2 - t1, cfg))
+    print(_what_auto_chose(auto, t4 - t3, t1 - t0))
 
 
 def _what_it_showed(snap, base: list[float], ours: list[float], t_gloo: float,
@@ -156,6 +166,22 @@ def _what_it_showed(snap, base: list[float], ours: list[float], t_gloo: float,
         "    python -m bench train --link unshaped        # bytes each host's interface sent",
         "  Figures measured so far, with their commands: docs/results.md",
     ])
+
+
+def _what_auto_chose(snap, t_auto: float, t_gloo: float) -> str:
+    """What bits=auto chose on this link, and why (its predicted times a call)."""
+    lines = [f"\nbits=auto on this link (each call exact or compressed, whichever its model "
+             f"of this link\nand codec predicts faster): wall time {t_auto:.1f} s, "
+             f"gloo {t_gloo:.1f} s"]
+    for kind, s in snap.items():
+        calls = s.auto_exact + s.auto_compressed
+        if calls:
+            lines.append(
+                f"  auto {kind + ':':<16}{s.auto_exact:>4} exact, {s.auto_compressed:>4} "
+                "compressed; "
+                f"predicted a call: exact {1e3 * s.predicted_exact_s / calls:.2f} ms, "
+                f"compressed {1e3 * s.predicted_compressed_s / calls:.2f} ms")
+    return "\n".join(lines)
 
 
 def _free_port() -> int:

@@ -175,3 +175,9 @@ def test_demo_runs_compiled_codec():
     lines = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.strip()}
     assert float(lines["all_gather"][-1].rstrip("x")) > 3.5, proc.stdout
     assert float(lines["reduce_scatter"][-1].rstrip("x")) > 3.5, proc.stdout
+    # then bits=auto, with what it chose for each kind, calls adding up
+    assert "bits=auto on this link" in proc.stdout, proc.stdout
+    auto = [line.split() for line in proc.stdout.splitlines() if line.startswith("  auto ")]
+    assert [a[1] for a in auto] == ["all_gather:", "reduce_scatter:"], proc.stdout
+    for a in auto:
+        assert int(a[2]) + int(a[4]) > 0, proc.stdout
