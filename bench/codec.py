@@ -15,6 +15,12 @@ and applied as a group's calls apply theirs: ``QCOMM_COMPILE=0`` runs the ``torc
 provider eagerly, ``QCOMM_TRITON_WARPS`` sets the Triton warps per program
 (``bench/device_check.sh`` compares settings; the header records both).
 
+Exit status 1 when a provider asked for measured nothing (``--impls triton`` without
+CUDA, or one that failed at its first point), 130 when interrupted (Ctrl-C, ``timeout
+-s INT``): the points measured by then are written all the same, the header saying how
+many of the sweep's they are. :func:`target_lines` judges the rows against the
+kernels' target (``bench/device_check.sh`` prints them).
+
 GB/s counts the bytes an op must move, the same for every provider: quantize reads
 ``n * itemsize`` and writes the payload (``packed_nbytes``: header, scales, codes);
 dequantize reads the payload and writes ``n * itemsize``; memcpy reads and writes
@@ -108,6 +114,7 @@ def run(args, env: CommConfig | None = None) -> list[dict]:
     except KeyboardInterrupt:  # Ctrl-C (or `timeout -s INT`): keep what was measured
         print(f"# interrupted after {len(rows) // 2} of {len(points)} points: reporting "
               "those", file=sys.stderr, flush=True)
+        args.interrupted = True
     for note in notes:
         print(f"# {note}", file=sys.stderr)
     rows.sort(key=lambda r: (OPS.index(r["op"]), r["dtype"], r["scheme"], r["bits"], r["numel"]))
@@ -159,7 +166,7 @@ def _measure_points(points, rows, impls, inputs, timeit, memcpy_s, device,
 def codec_keywords(impl: str, env: CommConfig) -> dict:
     """A provider's codec keywords under ``env``: its path (``torch`` runs eagerly where
     ``env.compile`` is off) and ``env.triton_warps``."""
-    path = "eager" if impl == "torch" and not env.compile else impl
+    path = "eager" if impl == "torch" and not env.compiles() else impl
     return {"impl": path, "warps": env.triton_warps}
 
 
@@ -221,8 +228,10 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
                    default=list(DTYPES) if on_gpu else ["float32", "bfloat16"],
                    help="comma list or 'all' (default: all on GPU, float32,bfloat16 on CPU)")
     p.add_argument("--impls", type=common.arg(lambda s: common.parse_list(s, IMPLS, "--impls")),
-                   default=["triton", "torch"], help="providers besides memcpy (triton runs "
-                   "on CUDA only; 'eager' is the uncompiled torch path)")
+                   default=["triton", "torch"] if on_gpu else ["torch"],
+                   help="providers besides memcpy (default triton,torch on GPU, torch on "
+                   "CPU; triton runs on CUDA only, and asked for without it is an error; "
+                   "'eager' is the uncompiled torch path)")
     p.add_argument("--iters", type=int, default=20, help="timed calls per point (median)")
     p.add_argument("--budget", type=float, default=1.0,
                    help="seconds per point; fewer iterations (>= 3) for slow points")
@@ -242,20 +251,56 @@ def parse_bits(text: str) -> list[int]:
 
 def main(args) -> int:
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench codec --device cuda: torch sees no CUDA device here")
     if args.threads:
         torch.set_num_threads(args.threads)
     env = comm_config_from_env()  # once: QCOMM_COMPILE, QCOMM_TRITON_WARPS
     header = common.start_local("codec", args, {
         "sizes": args.sizes, "bits": args.bits, "schemes": args.schemes, "dtypes": args.dtypes,
-        "iters": args.iters, "budget_s": args.budget, "compile": env.compile,
+        "iters": args.iters, "budget_s": args.budget, "compile": env.compiles(),
         "triton_warps": env.triton_warps})
+    args.interrupted = False
     rows = run(args, env)
+    header["sweep"]["points_measured"] = len(rows) // 2
     # the providers that measured anything (one that failed at its first point is gone)
-    impls = [i for i in available_impls(device, args.impls)[0]
-             if any(f"{i}_us" in r for r in rows)]
+    impls = [i for i in args.impls if any(f"{i}_us" in r for r in rows)]
     folder = common.report("codec", header, columns(impls), rows, args.out, "codec")
     if not args.no_plot:
         png = plot(folder, rows, impls, header)
         if png:
             print(f"# wrote {png}", file=sys.stderr)
-    return 0
+    missing = [i for i in args.impls if i not in impls]
+    if missing:
+        print(f"# codec: {', '.join(missing)} measured nothing (asked for with --impls)",
+              file=sys.stderr)
+        return 1
+    return 130 if args.interrupted else 0
+
+
+# The kernels' target (issue #43): at 2^24 elements and more, every scheme and width,
+# quantize and dequantize of fp32 and bf16 at >= 0.9x a copy of the same run.
+TARGET_NUMEL = 1 << 24
+TARGET_FRAC = 0.9
+
+
+def target_lines(rows: list[dict], dtypes: list[str], impl: str = "triton",
+                 min_numel: int = TARGET_NUMEL, frac: float = TARGET_FRAC) -> list[str]:
+    """One line per (dtype, op, scheme): the worst of ``impl``'s fractions of the
+    same-run copy over the widths and sizes from ``min_numel`` up, against ``frac``
+    (``not measured`` where no row has it: NOT met)."""
+    lines, size = [], f"2^{min_numel.bit_length() - 1}"
+    for dtype in dtypes:
+        for op in OPS:
+            for scheme in SCHEMES:
+                sel = [r for r in rows if r["dtype"] == dtype and r["op"] == op
+                       and r["scheme"] == scheme and r["numel"] >= min_numel
+                       and r.get(f"{impl}_frac") is not None]
+                worst = min(sel, key=lambda r: r[f"{impl}_frac"]) if sel else None
+                lines.append(common.target_line(
+                    f"codec {impl} {op} {dtype} {scheme} >= {size}",
+                    f"target >= {frac:.2f}x copy",
+                    worst and (f"{worst[f'{impl}_frac']:.2f}x copy (worst of {len(sel)}, at "
+                               f"{worst['bits']} bits, {worst['numel']} elements)"),
+                    bool(worst) and worst[f"{impl}_frac"] >= frac))
+    return lines

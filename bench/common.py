@@ -93,6 +93,14 @@ def gbps(nbytes: float, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
 
 
+def target_line(name: str, want: str, shown: str | None, met: bool = False) -> str:
+    """One target's line for ``bench/device_check.sh``'s summary: ``TARGET name: shown;
+    want: met`` (or ``NOT met``); ``shown`` None: not measured, NOT met."""
+    if shown is None:
+        return f"TARGET {name}: not measured; {want}: NOT met"
+    return f"TARGET {name}: {shown}; {want}: {'met' if met else 'NOT met'}"
+
+
 # --------------------------------------------------------------------------- sizes
 
 

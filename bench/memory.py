@@ -25,8 +25,14 @@ threshold grows with the blocks freed, and then freed tensors stay resident: two
 of one state measured 88 MiB apart that way).
 
 Per rank: ``peak`` (the process's peak RSS, ``ru_maxrss``), ``state``
-(``state_nbytes()`` of qcomm.fsdp's collectives) and the steady RSS after the steps.
-Reported per config: the largest rank's, and its excess over ``exact``'s.
+(``state_nbytes()`` of qcomm.fsdp's collectives), the steady RSS after the steps and
+``compressed``, the calls qcomm sent compressed (``qcomm.stats``). Reported per config:
+the largest rank's, and its excess over ``exact``'s.
+
+Exit status 1 when a qcomm variant compressed nothing (its peak would be plain FSDP2's:
+ranks of one node send exact) or a variant failed (the others still run), 130 when
+interrupted (Ctrl-C, ``timeout -s INT``): the variants measured by then are written all
+the same.
 
 ``--device cuda`` (``bench/device_check.sh``): rank r trains on ``cuda:r % count`` and
 ``peak`` is ``torch.cuda.max_memory_allocated`` over the whole run (``steady``: allocated
@@ -105,7 +111,7 @@ def worker(spec: dict) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    import qcomm  # noqa: F401 (registers the backend)
+    import qcomm  # registers the backend
 
     pin_this_rank()
     name = spec["name"]
@@ -148,7 +154,9 @@ def worker(spec: dict) -> None:
            "rss_before": rss_before, "rss_after": _rss_bytes(),
            # Linux: ru_maxrss in KiB
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-           "state": sum(c.state_nbytes() for c in comms), "loss": loss.item()}
+           "state": sum(c.state_nbytes() for c in comms), "loss": loss.item(),
+           "compressed": 0 if name == "exact" else sum(
+               s.calls_compressed for s in qcomm.stats().values())}
     if on_cuda:  # the GPU's figures replace the host's as peak and steady
         torch.cuda.synchronize(device)
         row.update(host_peak_rss=row["peak_rss"], host_rss_after=row["rss_after"],
@@ -174,7 +182,7 @@ def run_variant(args, name: str, env: dict) -> dict:
             "rss_after": max(r["rss_after"] for r in ranks),
             "state": max(r["state"] for r in ranks),
             "state_per_param": max(r["state"] for r in ranks) / top["params"],
-            "ranks": ranks}
+            "compressed": min(r["compressed"] for r in ranks), "ranks": ranks}
 
 
 def columns() -> list[Column]:
@@ -183,7 +191,8 @@ def columns() -> list[Column]:
             Column("peak_mib", "peak MiB", mib), Column("over_mib", "over exact MiB", mib),
             Column("state_mib", "state MiB", mib),
             Column("state_per_param", "state B/param", "{:.2f}"),
-            Column("rss_after_mib", "RSS after MiB", mib)]  # on CUDA: allocated after
+            Column("rss_after_mib", "RSS after MiB", mib),  # on CUDA: allocated after
+            Column("compressed", "compressed calls")]
 
 
 def main(args) -> int:
@@ -200,12 +209,24 @@ def main(args) -> int:
     if args.device == "cuda":
         header["sweep"]["backend"] = cuda_backend(args.world)
     print(common.format_header(header), flush=True)
-    rows = []
+    rows, failed, interrupted = [], [], False
     for name, env in configs:
-        row = run_variant(args, name, env)
+        try:
+            row = run_variant(args, name, env)
+        except KeyboardInterrupt:  # Ctrl-C (or `timeout -s INT`): keep what was measured
+            interrupted = True
+            print(f"# interrupted after {len(rows)} of {len(configs)} variants: reporting "
+                  "those", file=sys.stderr, flush=True)
+            break
+        except (RuntimeError, TimeoutError) as err:  # a rank failed: the others still run
+            failed.append(name)
+            print(f"# {name} FAILED: {err}", file=sys.stderr, flush=True)
+            continue
         rows.append(row)
         print(f"# {name}: peak {row['peak'] / 2**20:.1f} MiB, state "
-              f"{row['state'] / 2**20:.1f} MiB", file=sys.stderr, flush=True)
+              f"{row['state'] / 2**20:.1f} MiB, {row['compressed']} calls compressed",
+              file=sys.stderr, flush=True)
+    header["sweep"]["variants_measured"] = len(rows)
     base = next((r["peak"] for r in rows if r["variant"] == "exact"), None)
     for r in rows:
         r["peak_mib"], r["state_mib"] = r["peak"] / 2**20, r["state"] / 2**20
@@ -214,7 +235,14 @@ def main(args) -> int:
     common.report("memory", header, columns(), rows, args.out,
                   "memory" + ("-cuda" if args.device == "cuda" else "")
                   + ("-bf16" if args.param_dtype == "bfloat16" else ""))
-    return 0
+    plain = [r["variant"] for r in rows if r["variant"] != "exact" and not r["compressed"]]
+    if plain:
+        print(f"# memory: {', '.join(plain)} compressed nothing", file=sys.stderr)
+    if failed:
+        print(f"# memory: {', '.join(failed)} failed", file=sys.stderr)
+    if plain or failed or not rows:
+        return 1
+    return 130 if interrupted else 0
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":

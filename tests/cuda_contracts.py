@@ -130,16 +130,50 @@ def _two_rank_body(rank: int, store_path: str, queue) -> None:
     queue.put((rank, results))
 
 
+# Seconds the two ranks have together: their checks took ~10 s on an H200 (2026-12-04),
+# process start and CUDA init included; under the device check's 60 s a test.
+RANKS_TIMEOUT = 45.0
+
+
+def collect(procs, queue, timeout: float = RANKS_TIMEOUT) -> dict:
+    """Each rank's results from ``queue`` (``(rank, results)`` items), waiting until
+    every rank has reported, one has exited without reporting (its peers would wait on
+    it), or ``timeout`` seconds have passed; then every child still running is killed.
+    A rank missing from the dict died or hung."""
+    import queue as queues
+    import time
+
+    got: dict = {}
+    deadline = time.monotonic() + timeout
+    died = False
+    while len(got) < len(procs) and time.monotonic() < deadline:
+        try:
+            rank, results = queue.get(timeout=1.0 if died else 0.5)
+            got[rank] = results
+        except queues.Empty:
+            if died:  # the queue is drained
+                break
+            died = any(p.exitcode is not None and r not in got for r, p in enumerate(procs))
+    for p in procs:  # a rank that reported exits on its own; any other is killed
+        p.join(timeout=5 if len(got) == len(procs) else 0)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+    return got
+
+
 def gloo_two_ranks(store_path: str) -> int:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_two_rank_body, args=(r, store_path, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    got = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-    return _report(got[0])
+    got = collect(procs, queue)
+    results = [(f"rank {r}: {name}", ok, detail)
+               for r in sorted(got) for name, ok, detail in got[r]]
+    results += [(f"rank {r}", False, f"no results: exit code {p.exitcode} (died, or killed "
+                 f"after {RANKS_TIMEOUT:.0f} s)") for r, p in enumerate(procs) if r not in got]
+    return _report(results)
 
 
 def main() -> int:

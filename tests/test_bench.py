@@ -99,7 +99,7 @@ def test_table_and_header():
 def test_codec(tmp_path, capsys):
     # 1000: a size that is a multiple of nothing; eager alongside the torch path.
     assert main(["codec", "--sizes", "1000,4096", "--bits", "2,8", "--dtypes", "all",
-                 "--schemes", "minmax,nuq", "--impls", "triton,torch,eager", "--iters", "1",
+                 "--schemes", "minmax,nuq", "--impls", "torch,eager", "--iters", "1",
                  "--budget", "0", "--out", str(tmp_path)]) == 0
     header, rows = _load(tmp_path / "codec.json")
     assert header["benchmark"] == "codec" and header["versions"]["torch"]
@@ -114,7 +114,149 @@ def test_codec(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "torch/memcpy" in out
     assert header["command"].startswith("python -m bench codec --sizes 1000,4096")
+    assert header["sweep"]["points_measured"] == len(rows) // 2
     assert (tmp_path / "codec.png").exists() == common.have_matplotlib()
+
+
+def _codec_args(tmp_path, *more):
+    return ["codec", "--sizes", "1000,4096", "--bits", "8", "--iters", "1", "--budget", "0",
+            "--no-plot", "--out", str(tmp_path), *more]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="triton measures nothing without CUDA")
+def test_codec_fails_when_a_provider_it_was_asked_for_measured_nothing(tmp_path, capsys):
+    """--impls triton without CUDA times only the copy: exit 1, the provider named (the
+    files still written); the default providers here are those that run here."""
+    assert main(_codec_args(tmp_path, "--impls", "triton,eager")) == 1
+    assert "triton measured nothing" in capsys.readouterr().err
+    header, rows = _load(tmp_path / "codec.json")
+    assert rows and all("eager_us" in r and "triton_us" not in r for r in rows)
+    assert parser().parse_args(["codec"]).impls == ["torch"]
+
+
+def test_codec_interrupted_writes_what_it_measured(tmp_path, monkeypatch):
+    from bench import codec
+
+    real = codec._measure_points
+
+    def cut(points, rows, *rest):  # the first point, then Ctrl-C
+        real(points[:1], rows, *rest)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(codec, "_measure_points", cut)
+    assert main(_codec_args(tmp_path, "--impls", "eager")) == 130
+    header, rows = _load(tmp_path / "codec.json")
+    assert len(rows) == 2 and header["sweep"]["points_measured"] == 1
+    assert {r["numel"] for r in rows} == {1000} and all(r["eager_us"] > 0 for r in rows)
+
+
+def test_codec_target_lines():
+    """The worst fraction of a copy from 2^24 elements up, per dtype, op and scheme."""
+    from bench import codec
+
+    def row(op, scheme, bits, numel, frac):
+        return {"op": op, "dtype": "float32", "scheme": scheme, "bits": bits, "numel": numel,
+                "triton_frac": frac}
+
+    rows = [row("quantize", "minmax", 8, 1 << 24, 0.95),
+            row("quantize", "minmax", 4, 1 << 26, 0.92),
+            row("quantize", "minmax", 2, 1 << 22, 0.10),  # under 2^24: not judged
+            row("quantize", "maxnorm", 8, 1 << 24, 0.85),
+            row("quantize", "maxnorm", 8, 1 << 28, 0.99),
+            row("dequantize", "minmax", 8, 1 << 24, 0.90)]
+    lines = codec.target_lines(rows, ["float32"])
+    assert len(lines) == 2 * 3
+    by = {line.split(" >= 2^24")[0].split("triton ")[1]: line for line in lines}
+    assert by["quantize float32 minmax"].startswith(
+        "TARGET codec triton quantize float32 minmax >= 2^24: 0.92x copy (worst of 2, at 4 bits")
+    assert by["quantize float32 minmax"].endswith("target >= 0.90x copy: met")
+    assert by["quantize float32 maxnorm"].endswith(": NOT met") and "0.85x" in by[
+        "quantize float32 maxnorm"]
+    assert by["dequantize float32 minmax"].endswith(": met")
+    assert by["quantize float32 nuq"].endswith("not measured; target >= 0.90x copy: NOT met")
+
+
+def test_breakeven_interrupted_writes_what_it_measured(tmp_path, monkeypatch):
+    """The exact-path points first, then the compressed ones, every collective at a point
+    before the next; Ctrl-C keeps them; a call that saved nothing fails the run."""
+    from bench import breakeven
+
+    real, calls = breakeven.measure, []
+
+    def cut(*args):
+        calls.append(args)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(breakeven, "measure", cut)
+    common_args = ["--bits", "8", "--iters", "1", "--exact-numel", "2^8", "--out",
+                   str(tmp_path), "--no-plot"]
+    assert main(["breakeven", "--sizes", "2^10,2^12", "--worlds", "8,2", *common_args]) == 130
+    data = json.loads((tmp_path / "breakeven-cpu.json").read_text())
+    assert [(r["collective"], r["world"], r["numel"]) for r in data["rows"]] == [
+        (c, 8, 1 << 10) for c in breakeven.COLLECTIVES]
+    exact = data["header"]["exact_path"]
+    assert [(r["collective"], r["world"]) for r in exact] == [
+        (c, w) for w in (8, 2) for c in breakeven.COLLECTIVES]
+    assert all(r["numel"] == 256 and r["exact_us"] > 0 and r["inner_us"] > 0 for r in exact)
+    assert data["header"]["sweep"]["points_measured"] == 3 + 6
+
+    monkeypatch.setattr(breakeven, "measure", lambda *a: dict(real(*a), saved_mib=0.0))
+    assert main(["breakeven", "--sizes", "2^10", "--worlds", "2", *common_args]) == 1
+
+
+def test_breakeven_target_lines():
+    from bench import breakeven
+
+    rows = [{"collective": "all_gather", "world": 8, "numel": 1 << 24, "bits": 8,
+             "breakeven_gbs": 1500.0, "codec_ms": 0.1},
+            {"collective": "reduce_scatter", "world": 8, "numel": 1 << 24, "bits": 8,
+             "breakeven_gbs": 700.0, "codec_ms": 0.2},
+            {"collective": "all_reduce", "world": 8, "numel": 1 << 24, "bits": 4,
+             "breakeven_gbs": 5000.0, "codec_ms": 0.2}]  # 4 bits: not the target's
+    exact = [{"collective": "all_gather", "world": 8, "numel": 4096, "exact_us": 20.0,
+              "inner_us": 10.0, "over_us": 10.0},
+             {"collective": "all_reduce", "world": 8, "numel": 4096, "exact_us": 40.0,
+              "inner_us": 10.0, "over_us": 30.0},
+             {"collective": "reduce_scatter", "world": 2, "numel": 4096, "exact_us": 1.0,
+              "inner_us": 1.0, "over_us": 0.0}]  # W = 2: not the target's
+    lines = breakeven.target_lines(rows, exact)
+    assert len(lines) == 6 and all(line.startswith("TARGET ") for line in lines)
+    assert lines[0].endswith(">= 1000 GB/s a GPU: met") and "1500 GB/s" in lines[0]
+    assert lines[1].endswith(": NOT met") and "700 GB/s" in lines[1]
+    assert "all_reduce" in lines[2] and "not measured" in lines[2]
+    assert lines[3].endswith("target <= 15 us: met") and "+10.0 us" in lines[3]
+    assert "reduce_scatter" in lines[4] and "not measured" in lines[4]
+    assert lines[5].endswith(": NOT met") and "+30.0 us" in lines[5]
+
+
+def test_memory_names_a_variant_that_compressed_nothing_and_keeps_the_rest(tmp_path,
+                                                                            monkeypatch,
+                                                                            capsys):
+    from bench import memory
+
+    def variant(args, name, env, compressed=3):
+        if name == "bits=2":
+            raise RuntimeError("rank 1 exited with 1")
+        if name == "bits=8":
+            raise KeyboardInterrupt
+        return {"variant": name, "params": 10, "peak": 2**20, "rss_after": 2**20,
+                "state": 0, "state_per_param": 0.0, "ranks": [],
+                "compressed": 0 if name in ("exact", "bits=4") else compressed}
+
+    monkeypatch.setattr(memory, "run_variant", variant)
+    base = ["memory", "--out", str(tmp_path), "--no-plot"]
+    assert main(base + ["--config", "exact", "--config", "bits=4"]) == 1
+    assert "bits=4 compressed nothing" in capsys.readouterr().err
+    assert main(base + ["--config", "exact", "--config", "bits=2", "--config", "bits=3"]) == 1
+    assert "bits=2 failed" in capsys.readouterr().err
+    _, rows = _load(tmp_path / "memory.json")
+    assert [r["variant"] for r in rows] == ["exact", "bits=3"]
+    assert main(base + ["--config", "bits=3", "--config", "bits=8", "--config", "exact"]) == 130
+    header, rows = _load(tmp_path / "memory.json")
+    assert [r["variant"] for r in rows] == ["bits=3"]
+    assert header["sweep"]["variants_measured"] == 1
 
 
 def _check_collectives(rows, tag, variants, colls=collectives.COLLECTIVES):
@@ -161,6 +303,7 @@ def test_collectives_overlap(tmp_path):
         else:
             assert r["serial_ms"] > 0 and r["overlap_ms"] > 0, r
             assert r["overlap"] == pytest.approx(r["overlap_ms"] / r["serial_ms"])
+            assert r["issue_max"] > 0, r
 
 
 def test_link_needs_root(monkeypatch, tmp_path, capsys):
@@ -411,6 +554,8 @@ def test_memory_bench_on_cuda_without_a_gpu_says_so():
         main(["memory", "--device", "cuda", "--layers", "1", "--width", "64"])
     with pytest.raises(SystemExit, match="--device cuda: torch sees no CUDA device"):
         main(["breakeven", "--device", "cuda"])
+    with pytest.raises(SystemExit, match="--device cuda: torch sees no CUDA device"):
+        main(["codec", "--device", "cuda", "--impls", "triton"])
 
 
 def test_a_dirty_tree_is_named_by_its_diff(monkeypatch):

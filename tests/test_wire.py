@@ -5,6 +5,8 @@ stats must equal it byte for byte."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,12 +18,46 @@ import qcomm
 pytestmark = pytest.mark.slow
 
 
+def _gathered(pg, out, inp, opts):
+    return (pg.size() - 1) * inp.numel() * inp.element_size()
+
+
+def _gathered_list(pg, outs, inps, opts):
+    return sum((pg.size() - 1) * t.numel() * t.element_size() for t in inps)
+
+
+def _exchanged(pg, out, inp, out_splits, in_splits, opts):
+    assert not in_splits, "qcomm sends even all-to-alls"
+    nbytes = inp.numel() * inp.element_size()
+    return nbytes - nbytes // pg.size()
+
+
+def _scattered(pg, out, inp, opts):
+    return (pg.size() - 1) * out.numel() * out.element_size()
+
+
+def _reduced(pg, tensors, opts):
+    world = pg.size()
+    return sum(2 * (world - 1) * -(-t.numel() // world) * t.element_size() for t in tensors)
+
+
+# The inner group's methods that move data for qcomm, both name generations (torch 2.13
+# renamed the flat forms; qcomm.inner calls whichever the group has), and the bytes each
+# call hands over for peers under a direct exchange.
+COUNTED = {"all_gather_single": _gathered, "_allgather_base": _gathered,
+           "allgather": _gathered_list, "all_to_all_single": _exchanged,
+           "alltoall_base": _exchanged, "reduce_scatter_single": _scattered,
+           "_reduce_scatter_base": _scattered, "allreduce": _reduced}
+
+
 class ByteCounter:
     """Forwards everything to a real inner group and counts, per call, the bytes it is
-    handed for peers under a direct exchange: an all-gather's input to each of
-    ``world - 1`` peers, an all-to-all's rows but its own, a reduce-scatter's output
-    size to each peer, an all-reduce's ``2 (world - 1)`` chunks. Anything else that
-    moves data is counted apart, in ``other``."""
+    handed for peers under a direct exchange (:data:`COUNTED`): an all-gather's input to
+    each of ``world - 1`` peers, an all-to-all's rows but its own, a reduce-scatter's
+    output size to each peer, an all-reduce's ``2 (world - 1)`` chunks. Anything else
+    that moves data is counted apart, in ``other``. A method is here only where the real
+    group has it: on torch < 2.13 (the GPU image's 2.11) there are no ``*_single``
+    methods, and qcomm.inner must find the older names instead."""
 
     def __init__(self, real):
         self._real = real
@@ -30,55 +66,47 @@ class ByteCounter:
         self.other: list[str] = []
 
     def __getattr__(self, name):
-        attr = getattr(self._real, name)
+        attr = getattr(self._real, name)  # AttributeError where the real group lacks it
+        if name in COUNTED:
+            return functools.partial(self._counted, COUNTED[name], attr)
         if callable(attr) and name in ("broadcast", "send", "recv", "gather", "scatter",
                                        "reduce", "alltoall", "allreduce_coalesced"):
             self.other.append(name)
         return attr
 
-    def _add(self, nbytes: int):
-        self.to_peers += nbytes
+    def _counted(self, count, method, *args):
+        self.to_peers += count(self, *args)
         self.calls += 1
+        return method(*args)
 
-    def all_gather_single(self, out, inp, opts):
-        self._add((self.size() - 1) * inp.numel() * inp.element_size())
-        return self._real.all_gather_single(out, inp, opts)
 
-    def _allgather_base(self, out, inp, opts):
-        self._add((self.size() - 1) * inp.numel() * inp.element_size())
-        return self._real._allgather_base(out, inp, opts)
+def test_byte_counter_has_only_the_real_groups_methods():
+    """Over a group of torch < 2.13 (only the underscore names) the counter offers no
+    ``*_single`` method, and qcomm.inner's calls reach the old names, counted."""
+    import qcomm.inner as I
 
-    def allgather(self, outs, inps, opts):
-        self._add(sum((self.size() - 1) * t.numel() * t.element_size() for t in inps))
-        return self._real.allgather(outs, inps, opts)
+    class OldGroup:  # the methods torch 2.11's ProcessGroup has for these calls
+        def size(self):
+            return 4
 
-    def all_to_all_single(self, out, inp, out_splits, in_splits, opts):
-        assert not in_splits, "qcomm sends even all-to-alls"
-        nbytes = inp.numel() * inp.element_size()
-        self._add(nbytes - nbytes // self.size())
-        return self._real.all_to_all_single(out, inp, out_splits, in_splits, opts)
+        def _allgather_base(self, out, inp, opts):
+            return "gathered"
 
-    def alltoall_base(self, out, inp, out_splits, in_splits, opts):
-        nbytes = inp.numel() * inp.element_size()
-        self._add(nbytes - nbytes // self.size())
-        return self._real.alltoall_base(out, inp, out_splits, in_splits, opts)
+        def _reduce_scatter_base(self, out, inp, opts):
+            return "scattered"
 
-    def _rs(self, out):
-        self._add((self.size() - 1) * out.numel() * out.element_size())
+        def alltoall_base(self, out, inp, out_splits, in_splits, opts):
+            return "exchanged"
 
-    def reduce_scatter_single(self, out, inp, opts):
-        self._rs(out)
-        return self._real.reduce_scatter_single(out, inp, opts)
-
-    def _reduce_scatter_base(self, out, inp, opts):
-        self._rs(out)
-        return self._real._reduce_scatter_base(out, inp, opts)
-
-    def allreduce(self, tensors, opts):
-        world = self.size()
-        self._add(sum(2 * (world - 1) * -(-t.numel() // world) * t.element_size()
-                      for t in tensors))
-        return self._real.allreduce(tensors, opts)
+    counter = ByteCounter(OldGroup())
+    for name in ("all_gather_single", "reduce_scatter_single", "all_to_all_single"):
+        assert not hasattr(counter, name), name
+    x = torch.zeros(8)
+    assert I.all_gather(counter, torch.zeros(32), x) == "gathered"
+    assert I.reduce_scatter(counter, x, torch.zeros(32), dist.ReduceOp.SUM) == "scattered"
+    assert I.all_to_all(counter, x, x) == "exchanged"
+    assert counter.calls == 3
+    assert counter.to_peers == 3 * 32 + 3 * 32 + (32 - 8)
 
 
 class Mixed(nn.Module):
@@ -213,3 +241,29 @@ def test_envelope_history_stays_bounded():
     assert envelope.period == 7 and envelope.room() == 16
     assert len(envelope.keys) <= 4 * MAX_PERIOD
     assert sum(len(v) for v in envelope.seen.values()) <= 4 * MAX_PERIOD
+
+
+def test_envelope_period_search_is_bounded(monkeypatch):
+    """Calls with no period (drawn at random from 2 to 16 keys) cost a bounded number of
+    window compares a call (SEARCH_CREDIT, amortized), not one per earlier call of the
+    same key (hundreds a call, 80-490 us, before); a step that repeats after them is
+    still found within its second repetition."""
+    import random
+
+    import qcomm.envelope as E
+
+    examined = []
+    real = E.window
+    monkeypatch.setattr(E, "window", lambda p: examined.append(p) or real(p))
+    rng = random.Random(0)
+    calls = 4000
+    for keys in (2, 4, 16):
+        examined.clear()
+        envelope = E.Envelope()
+        history = [(str(rng.randrange(keys)), 16) for _ in range(calls)]
+        _rooms(history, envelope)
+        # one candidate a search past the budget (the one that stops it)
+        assert len(examined) <= E.SEARCH_CREDIT_MAX + (E.SEARCH_CREDIT + 1) * calls, keys
+        step = [("R", 5)] + [("L", 7)] * 4 + [("L", 7), ("RS", 9)] * 4 + [("RSR", 3)]
+        rooms = _rooms(step * 3, envelope)
+        assert rooms[-len(step):] == [b for _, b in step], (keys, rooms)
