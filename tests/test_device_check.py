@@ -26,7 +26,9 @@ SCRIPT = ROOT / "bench" / "device_check.sh"
 
 def run_script(out: Path, **env) -> subprocess.CompletedProcess:
     """The script as a lease runs it, with ``env`` added (QCOMM_CHECK_* overrides)."""
-    full = dict(os.environ, OUT=str(out), PY=sys.executable, QCOMM_COMPILE="0", **env)
+    # TMPDIR: the script's results folder (kept after the run) goes with the test's
+    full = dict(os.environ, OUT=str(out), PY=sys.executable, QCOMM_COMPILE="0",
+                TMPDIR=str(out.parent), **env)
     return subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=full, capture_output=True,
                           text=True, timeout=120)
 
@@ -184,7 +186,8 @@ def test_sigterm_stops_the_phase_then_packs_and_summarizes(tmp_path):
     """A device call cut by its own timeout sends SIGTERM: the running phase gets SIGINT
     (pytest prints its summary, naming the test it stopped), its verdict says so, and
     the summary and the archive are written before the script exits 143."""
-    env = dict(os.environ, OUT=str(tmp_path / "out"), PY=sys.executable, **selftest(
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PY=sys.executable,
+               TMPDIR=str(tmp_path), **selftest(
         "gpu-tier", "gpu-tier=120",
         QCOMM_CHECK_TESTS_GPU_TIER=fake_tests(tmp_path, "test_tier.py", FAKE_TIER)))
     proc = subprocess.Popen(["bash", str(SCRIPT)], cwd=ROOT, env=env,
