@@ -493,7 +493,7 @@ def run_one(args, rate: str | None) -> None:
                    auto=any("auto" in r for r in rows))
     folder = common.results_dir(args.out, header)
     stem = (f"collectives-{tag}" + (f"-{layout}" if layout else "")
-            + ("-overlap" if args.overlap else ""))
+            + ("-overlap" if args.overlap else "") + (f"-{args.tag}" if args.tag else ""))
     where = f"{args.world} ranks" + (f" ({layout} nodes x ranks)" if layout else "")
     for coll in args.collectives:
         print(f"\n# {coll}, {where}, link {tag}")

@@ -400,6 +400,9 @@ def worker(spec: dict) -> dict:
            "intra_bytes_per_step": intra, "mode": spec.get("mode", "fsdp2"), "world": world,
            "iface_bytes_per_step": sum(per_node.values()) / counted if counting else None,
            "layout": spec.get("layout"), "link": spec["link"]}
+    decided = [(s.auto_exact, s.auto_compressed) for s in stats]
+    if any(e + c for e, c in decided):  # bits=auto: the share of its calls it compressed
+        row["auto_compressed"] = sum(c for _, c in decided) / sum(e + c for e, c in decided)
     if spec.get("result"):
         Path(spec["result"] + str(rank)).write_text(json.dumps(row))
     dist.barrier()
@@ -521,6 +524,8 @@ def _summarize_mode(rows: list[dict]) -> tuple[list[dict], list[str]]:
              "comm_share": statistics.median(r["comm_share"] for r in rs),
              "wire_bytes_per_step": statistics.median(r["wire_bytes_per_step"] for r in rs)}
         s["wire_mb_per_step"] = s["wire_bytes_per_step"] / 1e6
+        if any("auto_compressed" in r for r in rs):
+            s["auto_compressed"] = statistics.median(r.get("auto_compressed", 0) for r in rs)
         for where in ("inter", "intra", "iface"):  # iface: behind a link only
             got = [r[f"{where}_bytes_per_step"] for r in rs
                    if r.get(f"{where}_bytes_per_step") is not None]
@@ -580,6 +585,7 @@ SUMMARY_COLUMNS = [
     Column("fewer_bytes", "fewer_bytes", "{:.2f}x"),
     Column("counted_vs_iface", "counted/iface", "{:.3f}"),
     Column("vs_flat", "vs_flat", "{:.2f}"),
+    Column("auto_compressed", "auto_compr", "{:.0%}"),
     Column("speedup", "speedup", "{:.2f}"), Column("amdahl_bound", "bound", "{:.2f}"),
     Column("of_bound", "of_bound", "{:.0%}"),
 ]
@@ -729,7 +735,8 @@ def _main(args, lead: bool) -> int:
         return 0
     summary, lines = summarize(rows)
     folder = common.results_dir(args.out, header)
-    stem = f"train-{args.link_name}" + (f"-{args.layout}" if args.layout else "")
+    stem = (f"train-{args.link_name}" + (f"-{args.layout}" if args.layout else "")
+            + (f"-{args.tag}" if args.tag else ""))
     print(common.format_table(SUMMARY_COLUMNS, summary))
     for line in lines:
         print(line)
