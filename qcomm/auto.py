@@ -7,27 +7,30 @@ loopback it is slower. A collective kind the config marks ``auto``
 (:attr:`qcomm.CommConfig.auto`, ``QCOMM_BITS=auto``) is decided call by call::
 
     exact(bytes)      = the exact inner call's time, fitted  latency + bytes / bandwidth
-    compressed(n, q)  = codec + wire, pipelined over the call's pieces:
+    compressed(n, q)  = codec and wire, pipelined over the call's pieces:
                         max(codec, wire) + min(codec, wire) / pieces
-        codec         = quantize and decode element counts x their measured s/element
+        codec         = per codec call: its fixed cost + elements x its cost an element
         wire          = the payload exchanges' latency + bytes / bandwidth, per level
                         (flat: the whole group; two-level: exact inside the node, the
-                        payloads across)
+                        payloads across); a one-piece call that fits the envelope rides
+                        in its descriptor's exchange, codec + that exchange
 
 Its inputs are measured on this group, not assumed (:func:`calibrate`, at the first
 call a kind's ``auto`` decides, within ~0.1-0.5 s on a 100 Mbit/s link): the exact
 inner calls at two sizes (the kinds' own: gloo's reduce-scatter is not its
 all-gather), the payloads' all-gather and all-to-all at two sizes on each level's
-group, and the codec's seconds an element on this device, on the group's own codec
+group, and the codec's calls at two sizes on this device, on the group's own codec
 path. **Every rank decides alike**: each probe's time is the slowest rank's (one
 all-reduce MAX), so every rank holds the same model, and a decision is a function of
 that model and the call's (kind, elements, dtype, config) alone, which the ranks agree
 on. A wrong guess costs time, never a hang or mixed bytes.
 
-**Refreshed when observed times drift**: every :data:`REFRESH` decided calls of a kind
-(the same call on every rank), the synchronous calls' observed times over their
-predictions, summed per path, are agreed (the slowest rank's, one all-reduce) and scale
-that path's predictions; decisions are then made again. Where the model compresses,
+**Refreshed when observed times drift**: after 16 decided calls of a kind, then 32, 64
+and every :data:`REFRESH` (the same call on every rank), the synchronous calls' observed
+times over their predictions, summed per path and size class (factors of 4 of the
+bytes), are agreed (the slowest rank's, one all-reduce) and scale that path's
+predictions for the class (and, for classes never observed, the kind's over all
+classes); decisions are then made again. Where the model compresses,
 the call is the fixed setting's (the same config, the same bytes).
 
 ``qcomm.stats()`` counts each kind's decided calls each way with the predicted times
@@ -45,7 +48,9 @@ import torch.distributed as dist
 
 from . import inner as I
 from .config import QuantConfig
-from .layout import packed_nbytes
+from .envelope import envelope_cap
+from .layout import DESC_NBYTES, packed_nbytes
+from .pieces import envelope_body, pieces
 
 # Bytes a rank contributes to each probe: a small one (latency) and a large one
 # (bandwidth): 256 KiB crosses a 100 Mbit/s link in 21 ms, a 1 Gbit/s one in 2 ms, so
@@ -55,12 +60,16 @@ PROBE_SMALL, PROBE_LARGE = 256, 256 << 10
 PROBE_SECONDS = 0.01
 PROBE_SCALE_MAX = 64
 PROBE_REPEATS = 3  # timed calls of each probe after one warm-up; the fastest counts
-# Elements of the codec probe: large enough that a call's fixed cost (~50-200 us on
-# CPU) is a small part, small enough to stay a few ms on one core.
-CODEC_PROBE = 1 << 16
-# Decided calls of a kind between two agreed refreshes of the model, and the furthest
-# one refresh may move a path's predictions (a factor of 4 either way).
+# Elements a row of the codec's probes (2 rows): a small call (its fixed cost, ~50-200
+# us on CPU) and a large one (its cost an element), a few ms on one core.
+CODEC_SMALL, CODEC_LARGE = 1 << 10, 1 << 17
+# Decided calls of a kind before its first agreed refresh of the model, twice as many
+# before each next one up to REFRESH (the model corrects itself early, then rarely);
+# the furthest one refresh may move a path's predictions (a factor of 4 either way);
+# the size classes corrected apart (factors of 4 of a call's bytes: up to 2^64).
+FIRST_REFRESH = 16
 REFRESH = 128
+CLASSES = 32
 MAX_CORRECTION = 4.0
 DECISIONS_MAX = 4096  # cached decisions kept, at most (one small tuple each)
 
@@ -98,53 +107,84 @@ class Model:
     intra_gather: Line | None  # two-level: the node's all-gather of payloads
     intra_exchange: Line | None  # two-level: the node's exact all-to-all
     nodes: int  # ranks one payload exchange spans (flat: world; two-level: nodes)
-    codec: dict[QuantConfig, tuple[float, float, float]]  # s/element: quantize, decode, decode-sum
-    correction: dict[tuple[str, bool], float] = field(default_factory=dict)
+    # per config: quantize, decode and decode-sum, each a Line of (seconds a call,
+    # seconds an element: its per_byte) over the elements of one codec call
+    codec: dict[QuantConfig, tuple[Line, Line, Line]]
+    # observed over predicted, agreed at refreshes: per (kind, compressed?, size class),
+    # and per (kind, compressed?, None) over all classes, for a class never observed
+    correction: dict[tuple, float] = field(default_factory=dict)
     decisions: dict[tuple, tuple[bool, float, float]] = field(default_factory=dict)
-    # per kind: decided calls since the last refresh, and per path (compressed?) the
-    # synchronous calls' observed and predicted seconds
+    # per kind: decided calls since the last refresh and refreshes so far; per (kind,
+    # compressed?, size class) the synchronous calls' observed and predicted seconds
     since: dict[str, int] = field(default_factory=dict)
-    observed: dict[tuple[str, bool], list[float]] = field(default_factory=dict)
+    refreshes: dict[str, int] = field(default_factory=dict)
+    observed: dict[tuple, list[float]] = field(default_factory=dict)
 
-    def predict(self, kind: str, numel: int, dtype: torch.dtype, q: QuantConfig,
-                pieces: int) -> tuple[float, float]:
+    def corrected(self, kind: str, compressed: bool, cls: int, seconds: float) -> float:
+        """``seconds`` times the path's agreed correction for the size class (or, never
+        observed, the kind's)."""
+        got = self.correction.get((kind, compressed, cls))
+        if got is None:
+            got = self.correction.get((kind, compressed, None), 1.0)
+        return seconds * got
+
+    def predict(self, kind: str, numel: int, dtype: torch.dtype,
+                q: QuantConfig) -> tuple[float, float]:
         """(exact, compressed) seconds of one call of ``numel`` elements a rank (an
-        all-gather's input, a reduce-scatter's output, an all-reduce's tensor) sent in
-        ``pieces`` pieces."""
+        all-gather's input, a reduce-scatter's output, an all-reduce's tensor)."""
         size = torch.empty((), dtype=dtype).element_size()
         exact = self.exact[kind](numel * size)
         # a config the group was not calibrated for (a direct call's own): the codec's
         # cost an element hardly depends on the bits; the first config's stands in
-        quant, decode, dsum = self.codec.get(q) or next(iter(self.codec.values()))
+        codec = self.codec.get(q) or next(iter(self.codec.values()))
         if kind == "all_reduce":  # a reduce-scatter of chunks, then their all-gather
             chunk = -(-numel // self.world)
-            rs, ag = self._rs(chunk, q, size, quant, dsum), self._ag(chunk, q, quant, decode)
-            codec, wire = rs[0] + ag[0], rs[1] + ag[1]
+            compressed = self._rs(chunk, q, size, codec) + self._ag(chunk, q, codec)
         elif kind == "reduce_scatter":
-            codec, wire = self._rs(numel, q, size, quant, dsum)
+            compressed = self._rs(numel, q, size, codec)
         else:
-            codec, wire = self._ag(numel, q, quant, decode)
-        compressed = max(codec, wire) + min(codec, wire) / max(pieces, 1)
-        return (exact * self.correction.get((kind, False), 1.0),
-                compressed * self.correction.get((kind, True), 1.0))
+            compressed = self._ag(numel, q, codec)
+        cls = size_class(numel * size)
+        return (self.corrected(kind, False, cls, exact),
+                self.corrected(kind, True, cls, compressed))
 
-    def _ag(self, n: int, q: QuantConfig, quant: float, decode: float):
-        """(codec, wire) seconds of an all-gather of ``n``-element payloads."""
-        payload = packed_nbytes(n, q)
-        wire = self.gather(payload) + self.exchange(0)  # and the descriptor's exchange
-        if self.intra_gather is not None:  # two-level: the node gathers the payloads
-            wire += self.intra_gather(self.nodes * payload)
-        return n * quant + self.world * n * decode, wire
+    def _pipelined(self, n: int, q: QuantConfig, codec_calls, wire: Line,
+                   per_peer: int) -> float:
+        """One pipeline over the pieces of ``n`` elements: ``codec_calls`` ((Line, elements
+        a piece) of each codec call a piece makes), ``wire`` the exchange each piece makes,
+        ``per_peer`` the payload bytes of the whole call. A one-piece call whose payload
+        fits the envelope rides in it (the descriptor's exchange, no other); otherwise
+        the descriptor's exchange overlaps the first quantize (not counted)."""
+        parts = pieces(n, q)
+        k = len(parts)
+        codec = sum(k * line.latency + count * n * line.per_byte for line, count in codec_calls)
+        if envelope_body(n, q) and per_peer <= envelope_cap(self.nodes):
+            return codec + self.exchange(DESC_NBYTES + per_peer)
+        transfer = k * wire.latency + per_peer * wire.per_byte
+        return max(codec, transfer) + min(codec, transfer) / k
 
-    def _rs(self, n: int, q: QuantConfig, size: int, quant: float, dsum: float):
-        """(codec, wire) seconds of a reduce-scatter into ``n`` elements."""
+    def _ag(self, n: int, q: QuantConfig, codec) -> float:
+        """An all-gather of ``n``-element payloads (two-level: across nodes, then the
+        node gathers them, exact bytes)."""
+        quant, decode, _ = codec
         payload = packed_nbytes(n, q)
-        wire = self.exchange(payload) + self.exchange(0)
-        codec = (self.nodes - 1) * n * quant + self.nodes * n * dsum
-        if self.intra_exchange is not None:  # two-level: exact inside the node, summed
-            wire += self.intra_exchange(self.nodes * n * size)
-            codec += self.world * n * dsum  # the node's fp32 sum, as much as a decode
-        return codec, wire
+        if self.intra_gather is None:
+            return self._pipelined(n, q, [(quant, 1), (decode, self.world)], self.gather,
+                                   payload)
+        across = self._pipelined(n, q, [(quant, 1)], self.gather, payload)
+        return across + self.intra_gather(self.nodes * payload) + decode(self.world * n)
+
+    def _rs(self, n: int, q: QuantConfig, size: int, codec) -> float:
+        """A reduce-scatter into ``n`` elements (two-level: an exact all-to-all inside the
+        node and its fp32 sum, then the compressed one across nodes)."""
+        quant, _, dsum = codec
+        k = self.nodes
+        across = self._pipelined(n, q, [(quant, k - 1), (dsum, k)], self.exchange,
+                                 packed_nbytes(n, q))
+        if self.intra_exchange is None:
+            return across
+        # the node's fp32 sum counted as a decode-sum of its rows
+        return across + self.intra_exchange(k * n * size) + dsum(self.world * n)
 
     def decide(self, kind: str, numel: int, dtype: torch.dtype,
                q: QuantConfig) -> tuple[bool, float, float]:
@@ -153,27 +193,32 @@ class Model:
         key = (kind, numel, dtype, q)
         got = self.decisions.get(key)
         if got is None:
-            from .collectives import pieces  # the algorithms import the driver, which imports this
-
             if len(self.decisions) >= DECISIONS_MAX:
                 self.decisions.clear()
-            n = -(-numel // self.world) if kind == "all_reduce" else numel
-            exact, compressed = self.predict(kind, numel, dtype, q, len(pieces(n, q)))
+            exact, compressed = self.predict(kind, numel, dtype, q)
             got = self.decisions[key] = (compressed < exact, exact, compressed)
         return got
 
-    def observe(self, kind: str, compressed: bool, seconds: float,
-                predicted: float) -> None:
+    def observe(self, kind: str, compressed: bool, numel: int, dtype: torch.dtype,
+                seconds: float, predicted: float) -> None:
         """A synchronous decided call's time on this rank, beside its prediction."""
-        seen = self.observed.setdefault((kind, compressed), [0.0, 0.0])
+        cls = size_class(numel * torch.empty((), dtype=dtype).element_size())
+        seen = self.observed.setdefault((kind, compressed, cls), [0.0, 0.0])
         seen[0] += seconds
         seen[1] += predicted
 
     def due(self, kind: str) -> bool:
         """Count one decided call of ``kind``; whether the model is due a refresh first
-        (every :data:`REFRESH` calls: the same call on every rank)."""
+        (after :data:`FIRST_REFRESH` calls, twice as many each time up to
+        :data:`REFRESH`: the same call on every rank)."""
         self.since[kind] = self.since.get(kind, 0) + 1
-        return self.since[kind] > REFRESH
+        return self.since[kind] > min(REFRESH, FIRST_REFRESH << self.refreshes.get(kind, 0))
+
+
+def size_class(nbytes: int) -> int:
+    """The size class of a call of ``nbytes`` a rank (factors of 4: 0..CLASSES - 1), by
+    which observed times correct predictions."""
+    return min(nbytes.bit_length() // 2, CLASSES - 1)
 
 
 def _timed(fn, *args, **kwargs) -> float:
@@ -238,22 +283,23 @@ class _Probes:
 
 
 def _codec_costs(configs, codec: dict, device: torch.device) -> list[float]:
-    """Seconds an element of quantize, decode and decode-sum, per config, on this
-    rank's codec path (``codec``: the group's keywords)."""
+    """Seconds of quantize, decode and decode-sum calls, per config, at
+    :data:`CODEC_SMALL` and :data:`CODEC_LARGE` elements a row (2 rows), on this rank's
+    codec path (``codec``: the group's keywords)."""
     from .codec import dequantize_rows, dequantize_sum, quantize_rows
 
-    n = CODEC_PROBE
-    x = torch.randn(2, n, device=device)
-    out = torch.empty(2, n, device=device)
     times = []
-    for q in configs:
-        rows = torch.empty(2, packed_nbytes(n, q), dtype=torch.uint8, device=device)
-        times += [
-            _timed(quantize_rows, x, q, [1, 2], out=rows, **codec) / (2 * n),
-            _timed(dequantize_rows, rows, n, torch.float32, q, out=out, check=False,
-                   **codec) / (2 * n),
-            _timed(dequantize_sum, rows, n, torch.float32, q, own=x[0], out=out[1], skip=0,
-                   check=False, **codec) / n]
+    for n in (CODEC_SMALL, CODEC_LARGE):
+        x = torch.randn(2, n, device=device)
+        out = torch.empty(2, n, device=device)
+        for q in configs:
+            rows = torch.empty(2, packed_nbytes(n, q), dtype=torch.uint8, device=device)
+            times += [
+                _timed(quantize_rows, x, q, [1, 2], out=rows, **codec),
+                _timed(dequantize_rows, rows, n, torch.float32, q, out=out, check=False,
+                       **codec),
+                _timed(dequantize_sum, rows, n, torch.float32, q, own=x[0], out=out[1],
+                       skip=0, check=False, **codec)]
     return times
 
 
@@ -296,28 +342,53 @@ def calibrate(state, kind: str, device: torch.device, configs) -> Model:
                  intra_gather=level[1][0] if two_level else None,
                  intra_exchange=level[1][1] if two_level else None,
                  nodes=state.topology.nodes if two_level else world,
-                 codec={q: tuple(codec[3 * i: 3 * i + 3]) for i, q in enumerate(configs)})
+                 codec={q: _codec_lines(codec, i, len(configs)) for i, q in enumerate(configs)})
+
+
+def _codec_lines(times: list[float], i: int, configs: int) -> tuple[Line, Line, Line]:
+    """Config ``i``'s quantize, decode and decode-sum lines from :func:`_codec_costs`'
+    agreed times (each: seconds a call, seconds an element). Quantize and decode go
+    over both rows, decode-sum decodes one."""
+    small, large = times[3 * i: 3 * i + 3], times[3 * (configs + i): 3 * (configs + i) + 3]
+    rows = (2, 2, 1)
+    return tuple(Line.fit((r * CODEC_SMALL, a), (r * CODEC_LARGE, b))
+                 for r, a, b in zip(rows, small, large, strict=True))
 
 
 def refresh(state, model: Model, kind: str, device: torch.device) -> None:
     """The agreed refresh of ``kind`` (collective: every rank at the same decided call):
-    each path's observed over predicted seconds since the last, the slowest rank's,
-    scales that path's predictions (by at most :data:`MAX_CORRECTION` a refresh)."""
+    per path and size class, and per path over all classes, the observed over predicted
+    seconds since the last refresh (the slowest rank's: one all-reduce MAX of a fixed
+    number of sums, whatever each rank observed) scale that path's predictions, by at
+    most :data:`MAX_CORRECTION` a refresh."""
     inner, rank = state.inner, state.inner.rank()
-    paths = (False, True)
-    sums = [v for p in paths for v in model.observed.get((kind, p), (0.0, 0.0))]
+    keys = [(kind, path, cls) for path in (False, True) for cls in range(CLASSES)]
+    sums = [v for key in keys for v in model.observed.get(key, (0.0, 0.0))]
     agreed = torch.tensor(sums, dtype=torch.float64, device=device)
     I.wait(I.start(I.all_reduce, kind, "auto's refresh", rank, inner, agreed,
                    dist.ReduceOp.MAX), kind, "auto's refresh", rank)
     state.record_control(kind, 2 * (state.world - 1) * -(-len(sums) // state.world) * 8)
     t = agreed.tolist()
-    for i, path in enumerate(paths):
-        observed, predicted = t[2 * i], t[2 * i + 1]
+
+    def scale(key, observed: float, predicted: float, old: float) -> None:
         if observed > 0 and predicted > 0:
             step = min(max(observed / predicted, 1 / MAX_CORRECTION), MAX_CORRECTION)
-            model.correction[(kind, path)] = model.correction.get((kind, path), 1.0) * step
+            model.correction[key] = old * step
+
+    for path in (False, True):
+        total = [0.0, 0.0]
+        for i, (_, _, cls) in enumerate(keys):
+            if keys[i][1] != path:
+                continue
+            observed, predicted = t[2 * i], t[2 * i + 1]
+            scale((kind, path, cls), observed, predicted,
+                  model.corrected(kind, path, cls, 1.0))
+            total[0] += observed
+            total[1] += predicted
+        scale((kind, path, None), *total, model.correction.get((kind, path, None), 1.0))
     model.observed = {k: v for k, v in model.observed.items() if k[0] != kind}
     model.since[kind] = 1
+    model.refreshes[kind] = model.refreshes.get(kind, 0) + 1
     model.decisions.clear()
 
 
@@ -336,8 +407,10 @@ def describe(group=None) -> dict:
                        "bandwidth_Bps": model.gather.bandwidth},
             "exchange": {"latency_s": model.exchange.latency,
                          "bandwidth_Bps": model.exchange.bandwidth},
-            "codec_s_per_element": {repr(q): dict(zip(("quantize", "decode", "decode_sum"),
-                                                      v, strict=True))
-                                    for q, v in model.codec.items()},
-            "correction": {f"{k}/{'compressed' if p else 'exact'}": v
-                           for (k, p), v in model.correction.items()}}
+            "codec": {repr(q): {name: {"call_s": line.latency, "element_s": line.per_byte}
+                                for name, line in zip(("quantize", "decode", "decode_sum"),
+                                                      v, strict=True)}
+                      for q, v in model.codec.items()},
+            "correction": {f"{k}/{'compressed' if p else 'exact'}/"
+                           + ("all" if c is None else f"4^{c}B"): v
+                           for (k, p, c), v in sorted(model.correction.items(), key=repr)}}

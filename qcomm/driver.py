@@ -450,7 +450,8 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
             return exact()
         start = time.perf_counter()
         got = exact()
-        state.auto.observe(kind, False, time.perf_counter() - start, predicted[0])
+        state.auto.observe(kind, False, numel, tensor.dtype, time.perf_counter() - start,
+                           predicted[0])
         return got
     rank, codec = inner.rank(), state.codec_for(tensor.device)
 
@@ -482,7 +483,8 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
     start = time.perf_counter()
     body()
     if predicted is not None and tensor.device.type == "cpu":
-        state.auto.observe(kind, True, time.perf_counter() - start, predicted[1])
+        state.auto.observe(kind, True, numel, tensor.dtype, time.perf_counter() - start,
+                           predicted[1])
     return I.completed_work(result) if async_op else None
 
 
@@ -490,7 +492,7 @@ def decide(state: GroupState, kind: str, numel: int, tensor: torch.Tensor,
            q: QuantConfig) -> tuple[bool, float, float]:
     """bits=auto's choice for one call (:mod:`qcomm.auto`): (compress?, predicted exact
     and compressed seconds). The group's model is measured at its first decided call
-    and refreshed every :data:`qcomm.auto.REFRESH` of a kind, each a collective on the
+    and refreshed from observed times (:func:`qcomm.auto.refresh`), each a collective on the
     inner group at the same call on every rank, after the calls in flight."""
     model = state.auto
     if model is None:

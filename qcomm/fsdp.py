@@ -67,6 +67,7 @@ from . import driver, handshake
 from .codec import dequantize_rows, quantize_rows, update_state_rows
 from .config import CommConfig, QuantConfig, as_comm_config
 from .layout import HEADER_NBYTES, meta_nbytes, packed_nbytes
+from .pieces import pieces
 from .process_group import QcommProcessGroup, wrap
 
 try:  # torch >= 2.9
@@ -261,7 +262,7 @@ class DeltaAllGather(_PerModule, _AllGatherBase):
 
         def prepare(call: driver.Call):
             """The difference to send, and how every rank decodes it through the state."""
-            ref = self._state(group, world, n, inp.dtype, inp.device, C.pieces(n, call.q))
+            ref = self._state(group, world, n, inp.dtype, inp.device, pieces(n, call.q))
             # reads inp (a view into out) before anything is written; a copy, never
             # the caller's tensor
             delta = ref.subtract_row(call, call.rank, inp.to(torch.float32, copy=True))

@@ -66,6 +66,8 @@ from __future__ import annotations
 
 import torch
 
+from .config import KINDS
+
 HEADER_NBYTES = 32
 DESC_NBYTES = 48
 ALIGN = 16  # every payload's size is a multiple of this
@@ -157,7 +159,8 @@ def decode_header(header: bytes) -> dict:
     }
 
 
-KIND_IDS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3}
+# The kind byte: 1, 2, 3 in KINDS' order (a wire format: KINDS only ever grows at its end).
+KIND_IDS = {kind: i + 1 for i, kind in enumerate(KINDS)}
 KIND_NAMES = {v: k for k, v in KIND_IDS.items()}
 NO_OP = 255  # the descriptor's op byte of an all-gather
 

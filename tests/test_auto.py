@@ -18,12 +18,12 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 def _model(bandwidth: float, latency: float = 1e-4, codec: float = 2e-9,
            world: int = 2) -> Model:
-    """A flat model: every inner call ``latency + bytes / bandwidth``; the codec ``codec``
-    seconds an element for quantize, decode and decode-sum alike."""
+    """A flat model: every inner call ``latency + bytes / bandwidth``; quantize, decode and
+    decode-sum alike, 50 us a call and ``codec`` seconds an element."""
     line = Line(latency, 1 / bandwidth)
+    op = Line(50e-6, codec)
     return Model(world=world, exact=dict.fromkeys(KINDS, line), gather=line, exchange=line,
-                 intra_gather=None, intra_exchange=None, nodes=world,
-                 codec={Q8: (codec, codec, codec)})
+                 intra_gather=None, intra_exchange=None, nodes=world, codec={Q8: (op, op, op)})
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -50,7 +50,7 @@ def test_a_refresh_scales_a_path_by_what_was_observed():
     _, exact_s, compressed_s = model.decide("all_gather", numel, torch.float32, Q8)
     # compressed calls observed 8x slower than predicted: a refresh moves the prediction
     # 4x (MAX_CORRECTION) at most; two refreshes flip the decision
-    model.correction[("all_gather", True)] = 16.0
+    model.correction[("all_gather", True, None)] = 16.0
     model.decisions.clear()
     assert not model.decide("all_gather", numel, torch.float32, Q8)[0]
 
@@ -73,7 +73,7 @@ def _auto_body(rank, world):
         return got * (3 if rank else 1) + to_peers / 12.5e6
 
     A._Probes._time = slow
-    A.REFRESH = 4
+    A.FIRST_REFRESH = 4
     decided, real_decide = [], A.Model.decide
 
     def logged(self, kind, numel, dtype, q):
@@ -118,7 +118,7 @@ def _auto_body(rank, world):
 def test_every_rank_decides_alike_and_compresses_as_the_fixed_setting():
     r0, r1 = run_ranks(_auto_body, 2, backend="gloo", timeout=180)
     assert r0["model"] == r1["model"] and r0["decisions"] == r1["decisions"], (r0, r1)
-    assert r0["model"]["correction"], r0["model"]  # refreshed (REFRESH = 4)
+    assert r0["model"]["correction"], r0["model"]  # refreshed (FIRST_REFRESH = 4)
     decided = r0["decisions"]
     assert [numel for numel, _ in decided] == [65536] + [1 << 18, 64] + [1 << 18] * 5
     assert all(compress for numel, compress in decided if numel == 1 << 18), decided

@@ -413,7 +413,7 @@ def test_pieces_keep_payload_bytes_across_widths():
     """A piece is PIECE elements at 8 bits and the same payload bytes at fewer (2^20 at 4
     bits, 2^21 at 2), at most a quarter of the tensor but never under PIECE elements;
     whole buckets, the last piece the rest, covering the tensor exactly."""
-    from qcomm.collectives import PIECE, pieces
+    from qcomm.pieces import PIECE, pieces
 
     def steps(n, bits, bucket=1024):
         parts = pieces(n, QuantConfig(bits=bits, bucket_size=bucket))
@@ -436,7 +436,7 @@ def test_pieces_keep_payload_bytes_across_widths():
 
 
 def _pieces_body(rank, world, piece):
-    qcomm.collectives.PIECE = piece
+    qcomm.pieces.PIECE = piece
     res = _compressed_body(rank, world, Q8, torch.float32, 3001)  # the flat bound holds
     pg = qcomm.wrap(dist.group.WORLD, CommConfig(all_gather=Q8, reduce_scatter=Q8))
     rec = PipelineRecorder(pg.inner)
@@ -512,7 +512,7 @@ def test_codec_calls_do_not_grow_with_world_size(monkeypatch):
     state update of all rows; and the torch path's piece calls inside them stop growing
     (4 and 8 ranks alike: the peer rows on either side of a rank's own are one block
     each)."""
-    monkeypatch.setattr(qcomm.collectives, "PIECE", 1024)
+    monkeypatch.setattr(qcomm.pieces, "PIECE", 1024)
     # the first, a middle and the last rank: the rows on either side of a rank's own
     got = {w: [_launch_counts(r, w) for r in sorted({0, w // 2, w - 1})] for w in (2, 4, 8)}
     pieces = 3

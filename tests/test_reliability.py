@@ -298,10 +298,10 @@ def _fault_body(rank, world, mode):
     every later call on the group there (compressed, exact, forwarded) raises
     DistBackendError naming it. Rank 1 completed the call; its next one finds no peer
     and fails by the group's timeout, never hangs; and then the group is failed there."""
-    import qcomm.collectives as C
     import qcomm.handshake as H
+    import qcomm.pieces as P
 
-    C.PIECE = 1024
+    P.PIECE = 1024
     group = dist.group.WORLD
     n = 3001
     out = torch.empty(world * n)

@@ -24,7 +24,7 @@ def _nodes(spec: str) -> list[dict]:
 
 
 def _two_level_body(rank, world, dtype, n, piece):
-    qcomm.collectives.PIECE = piece  # pieces of whole buckets: the same flat bound
+    qcomm.pieces.PIECE = piece  # pieces of whole buckets: the same flat bound
     res = _compressed_body(rank, world, Q8, dtype, n)  # within the flat bound, see there
     state = qcomm.driver.group_state(None)
     res["plan"] = state.plan

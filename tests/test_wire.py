@@ -134,8 +134,8 @@ def _steps_body(rank, world, steps):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    import qcomm.collectives as C
     import qcomm.inner as I
+    import qcomm.pieces as P
 
     counters = []
     real_make = I.make_inner
@@ -145,7 +145,7 @@ def _steps_body(rank, world, steps):
         return counters[-1]
 
     I.make_inner = counted  # every inner group qcomm makes: its own, two-level's
-    C.PIECE = 8192  # the wide module's shard goes in pieces
+    P.PIECE = 8192  # the wide module's shard goes in pieces
     group = qcomm.wrap(dist.group.WORLD)
     mesh = DeviceMesh.from_group(group, "cpu")
     torch.manual_seed(0)
