@@ -132,3 +132,20 @@ def test_every_rank_decides_alike_and_compresses_as_the_fixed_setting():
         assert r["counted"] == r["wire"], (r["counted"], r["wire"])
     for out0, out1 in zip(r0["outs"], r1["outs"], strict=True):
         assert torch.equal(out0, out1)  # every rank decoded the same bytes
+
+
+def test_a_class_seen_one_way_is_tried_the_other_once():
+    """After a refresh, a size class observed on one path only sends its next call the
+    other way, once, where the predictions are within 2x; farther apart, never."""
+    from qcomm.auto import size_class
+
+    model = _model(400e6)
+    numel = 1 << 18
+    first = model.decide("all_gather", numel, torch.float32, Q8)
+    cls = size_class(numel * 4)
+    model.explore.add(("all_gather", cls))
+    assert model.decide("all_gather", numel, torch.float32, Q8)[0] is not first[0]
+    assert model.decide("all_gather", numel, torch.float32, Q8) == first  # once
+    slow = _model(12.5e6)  # compressed predicted far faster: no trial of exact
+    slow.explore.add(("all_gather", cls))
+    assert slow.decide("all_gather", numel, torch.float32, Q8)[0]
