@@ -28,9 +28,11 @@ on. A wrong guess costs time, never a hang or mixed bytes.
 **Refreshed when observed times drift**: after 16 decided calls of a kind, then 32, 64
 and every :data:`REFRESH` (the same call on every rank), the synchronous calls' observed
 times over their predictions, summed per path and size class (factors of 4 of the
-bytes), are agreed (the slowest rank's, one all-reduce) and scale that path's
-predictions for the class (and, for classes never observed, the kind's over all
-classes); decisions are then made again. A size class seen on one path only sends its
+bytes), are agreed (the slowest rank's, one all-reduce) and, once a class has
+:data:`MIN_OBSERVED` calls on a path, scale that path's predictions for the class (and,
+for classes never observed, the kind's over all classes); decisions are then made
+again. Compression is chosen where it is predicted :data:`MARGIN` faster: near a tie,
+exact. A size class seen on one path only sends its
 next call the other way once, where the two predictions are within 2x, so a path the
 model underrates is seen and corrected. Where the model compresses,
 the call is the fixed setting's (the same config, the same bytes).
@@ -49,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from . import inner as I
-from .config import QuantConfig
+from .config import KINDS, QuantConfig
 from .envelope import envelope_cap
 from .layout import DESC_NBYTES, packed_nbytes
 from .pieces import envelope_body, pieces
@@ -79,6 +81,13 @@ CLASSES = 32
 # model sent 74% of FSDP2's calls exact, and so kept gloo's step, where 8 bits ran
 # 0.83x of it).
 EXPLORE_WITHIN = 2.0
+# Calls of a size class on a path before their times correct its predictions (fewer
+# wait for the next refresh): one noisy call, an explored one, does not flip a class.
+MIN_OBSERVED = 4
+# Compression must be predicted this much faster than exact to be chosen: near a tie
+# exact costs little and loses nothing, and a class does not flip back and forth on
+# noise (measured on loopback, 2 cores: one run's steps swung by 10-25% seed to seed).
+MARGIN = 1.1
 MAX_CORRECTION = 4.0
 DECISIONS_MAX = 4096  # cached decisions kept, at most (one small tuple each)
 
@@ -207,7 +216,7 @@ class Model:
             if len(self.decisions) >= DECISIONS_MAX:
                 self.decisions.clear()
             exact, compressed = self.predict(kind, numel, dtype, q)
-            got = self.decisions[key] = (compressed < exact, exact, compressed)
+            got = self.decisions[key] = (compressed * MARGIN < exact, exact, compressed)
         if self.explore:
             cls = size_class(numel * torch.empty((), dtype=dtype).element_size())
             if (kind, cls) in self.explore:
@@ -221,9 +230,10 @@ class Model:
                 seconds: float, predicted: float) -> None:
         """A synchronous decided call's time on this rank, beside its prediction."""
         cls = size_class(numel * torch.empty((), dtype=dtype).element_size())
-        seen = self.observed.setdefault((kind, compressed, cls), [0.0, 0.0])
+        seen = self.observed.setdefault((kind, compressed, cls), [0.0, 0.0, 0])
         seen[0] += seconds
         seen[1] += predicted
+        seen[2] += 1
 
     def due(self, kind: str) -> bool:
         """Count one decided call of ``kind``; whether the model is due a refresh first
@@ -331,7 +341,7 @@ def calibrate(state, kind: str, device: torch.device, configs) -> Model:
     inner, world = state.inner, state.world
     two_level = state.plan == "two_level"
     levels = list(state.subgroups.get(state.topology))[::-1] if two_level else [inner]
-    kinds = [k for k in state.config.auto if getattr(state.config, k) is not None] or [kind]
+    kinds = KINDS  # every kind: a call's own config may make any kind auto (DDP's hook)
     probes = _Probes(kind, device)
 
     def measure(nbytes: int) -> list[float]:
@@ -374,14 +384,16 @@ def _codec_lines(times: list[float], i: int, configs: int) -> tuple[Line, Line, 
 
 
 def refresh(state, model: Model, kind: str, device: torch.device) -> None:
-    """The agreed refresh of ``kind`` (collective: every rank at the same decided call):
-    per path and size class, and per path over all classes, the observed over predicted
-    seconds since the last refresh (the slowest rank's: one all-reduce MAX of a fixed
-    number of sums, whatever each rank observed) scale that path's predictions, by at
-    most :data:`MAX_CORRECTION` a refresh."""
+    """The agreed refresh of ``kind`` (collective: every rank at the same decided call).
+    Per path and size class, the synchronous calls' observed and predicted seconds and
+    their count since the class was last corrected, the slowest rank's (one all-reduce
+    MAX of a fixed number of values, whatever each rank observed); a class with at least
+    :data:`MIN_OBSERVED` calls on a path scales that path's predictions for it by their
+    ratio (at most :data:`MAX_CORRECTION` a refresh), and so, over all such classes, the
+    path's predictions for classes never observed; fewer calls wait for the next refresh."""
     inner, rank = state.inner, state.inner.rank()
     keys = [(kind, path, cls) for path in (False, True) for cls in range(CLASSES)]
-    sums = [v for key in keys for v in model.observed.get(key, (0.0, 0.0))]
+    sums = [v for key in keys for v in model.observed.get(key, (0.0, 0.0, 0))]
     agreed = torch.tensor(sums, dtype=torch.float64, device=device)
     I.wait(I.start(I.all_reduce, kind, "auto's refresh", rank, inner, agreed,
                    dist.ReduceOp.MAX), kind, "auto's refresh", rank)
@@ -389,29 +401,32 @@ def refresh(state, model: Model, kind: str, device: torch.device) -> None:
     t = agreed.tolist()
 
     def scale(key, observed: float, predicted: float, old: float) -> None:
-        if observed > 0 and predicted > 0:
-            step = min(max(observed / predicted, 1 / MAX_CORRECTION), MAX_CORRECTION)
-            model.correction[key] = old * step
+        step = min(max(observed / predicted, 1 / MAX_CORRECTION), MAX_CORRECTION)
+        model.correction[key] = old * step
 
+    seen = {key: t[3 * i: 3 * i + 3] for i, key in enumerate(keys)}
     # a class seen on one path only: its next call tries the other (where the two
     # predictions are within EXPLORE_WITHIN), or a path predicted slower than it is
     # would never be seen, and never corrected
     for cls in range(CLASSES):
-        seen = [t[2 * keys.index((kind, path, cls))] > 0 for path in (False, True)]
-        if seen[0] != seen[1]:
+        if (seen[(kind, False, cls)][2] > 0) != (seen[(kind, True, cls)][2] > 0):
             model.explore.add((kind, cls))
     for path in (False, True):
         total = [0.0, 0.0]
-        for i, (_, _, cls) in enumerate(keys):
-            if keys[i][1] != path:
+        for cls in range(CLASSES):
+            observed, predicted, count = seen[(kind, path, cls)]
+            if count < MIN_OBSERVED or predicted <= 0:
+                # too few calls to judge the class by: kept for the next refresh (the
+                # same sums on every rank: the agreed ones)
+                if count:
+                    model.observed[(kind, path, cls)] = [observed, predicted, int(count)]
                 continue
-            observed, predicted = t[2 * i], t[2 * i + 1]
-            scale((kind, path, cls), observed, predicted,
-                  model.corrected(kind, path, cls, 1.0))
+            scale((kind, path, cls), observed, predicted, model.corrected(kind, path, cls, 1.0))
+            model.observed.pop((kind, path, cls), None)
             total[0] += observed
             total[1] += predicted
-        scale((kind, path, None), *total, model.correction.get((kind, path, None), 1.0))
-    model.observed = {k: v for k, v in model.observed.items() if k[0] != kind}
+        if total[1] > 0:
+            scale((kind, path, None), *total, model.correction.get((kind, path, None), 1.0))
     model.since[kind] = 1
     model.refreshes[kind] = model.refreshes.get(kind, 0) + 1
     model.decisions.clear()

@@ -440,7 +440,9 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
     may = (can_compress and state.plan != EXACT and purpose.may_compress(state)
            and compressible(tensor, numel, state.world, q, state.config.min_numel, op))
     predicted = None  # auto's (exact, compressed) seconds, where it decides
-    if may and kind in state.config.auto:
+    # auto: the call's own CommConfig says (the DDP hook's state), else the group's
+    auto = (config if isinstance(config, CommConfig) else state.config).auto
+    if may and kind in auto:
         may, *predicted = decide(state, kind, numel, tensor, q)
     if not may:
         state.stats.record(kind, compressed=False, logical=logical, wire=logical,

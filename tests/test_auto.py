@@ -74,6 +74,7 @@ def _auto_body(rank, world):
 
     A._Probes._time = slow
     A.FIRST_REFRESH = 4
+    A.MIN_OBSERVED = 1
     decided, real_decide = [], A.Model.decide
 
     def logged(self, kind, numel, dtype, q):
@@ -109,9 +110,16 @@ def _auto_body(rank, world):
                     stats.calls_compressed, stats.predicted_exact_s > 0,
                     stats.predicted_compressed_s > 0)
     res["model"] = qcomm.auto.describe(auto)
-    res["decisions"] = decided
+    res["decisions"] = list(decided)
+    # a call's own CommConfig makes it auto on a group whose config is not (DDP's hook)
+    plain = dist.new_group(backend="gloo")
+    t = make(rank, 1 << 16)
+    qcomm.all_reduce(t, group=plain, config=qcomm.CommConfig(auto=True))
+    got = qcomm.stats(plain)["all_reduce"]
+    res["per_call"] = got.auto_exact + got.auto_compressed
     res["counted"] = sum(c.to_peers for c in counters)
-    res["wire"] = sum(v.wire_bytes for g in (auto, fixed) for v in qcomm.stats(g).values())
+    res["wire"] = sum(v.wire_bytes for g in (auto, fixed, plain)
+                      for v in qcomm.stats(g).values())
     return res
 
 
@@ -130,6 +138,7 @@ def test_every_rank_decides_alike_and_compresses_as_the_fixed_setting():
         assert (auto_exact, auto_compressed) == (exact, compressed), r["stats"]
         assert r["same_bytes"], "auto's compressed call differs from the fixed setting's"
         assert r["counted"] == r["wire"], (r["counted"], r["wire"])
+        assert r["per_call"] == 1, r
     for out0, out1 in zip(r0["outs"], r1["outs"], strict=True):
         assert torch.equal(out0, out1)  # every rank decoded the same bytes
 
