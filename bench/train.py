@@ -401,8 +401,11 @@ def worker(spec: dict) -> dict:
            "iface_bytes_per_step": sum(per_node.values()) / counted if counting else None,
            "layout": spec.get("layout"), "link": spec["link"]}
     decided = [(s.auto_exact, s.auto_compressed) for s in stats]
-    if any(e + c for e, c in decided):  # bits=auto: the share of its calls it compressed
+    if any(e + c for e, c in decided):  # bits=auto: the share of its calls it compressed,
         row["auto_compressed"] = sum(c for _, c in decided) / sum(e + c for e, c in decided)
+        # and what measuring its model took (the slowest group)
+        row["auto_calibration_s"] = max(qcomm.auto.describe(g)["calibration_s"]
+                                        for g in groups if qcomm.auto.describe(g))
     if spec.get("result"):
         Path(spec["result"] + str(rank)).write_text(json.dumps(row))
     dist.barrier()
@@ -526,6 +529,7 @@ def _summarize_mode(rows: list[dict]) -> tuple[list[dict], list[str]]:
         s["wire_mb_per_step"] = s["wire_bytes_per_step"] / 1e6
         if any("auto_compressed" in r for r in rs):
             s["auto_compressed"] = statistics.median(r.get("auto_compressed", 0) for r in rs)
+            s["auto_calibration_s"] = max(r.get("auto_calibration_s", 0) for r in rs)
         for where in ("inter", "intra", "iface"):  # iface: behind a link only
             got = [r[f"{where}_bytes_per_step"] for r in rs
                    if r.get(f"{where}_bytes_per_step") is not None]
@@ -586,6 +590,7 @@ SUMMARY_COLUMNS = [
     Column("counted_vs_iface", "counted/iface", "{:.3f}"),
     Column("vs_flat", "vs_flat", "{:.2f}"),
     Column("auto_compressed", "auto_compr", "{:.0%}"),
+    Column("auto_calibration_s", "auto_cal_s", "{:.2f}"),
     Column("speedup", "speedup", "{:.2f}"), Column("amdahl_bound", "bound", "{:.2f}"),
     Column("of_bound", "of_bound", "{:.0%}"),
 ]

@@ -131,6 +131,7 @@ class Model:
     # observed over predicted, agreed at refreshes: per (kind, compressed?, size class),
     # and per (kind, compressed?, None) over all classes, for a class never observed
     correction: dict[tuple, float] = field(default_factory=dict)
+    seconds: float = 0.0  # what measuring this model took (calibrate), on this rank
     decisions: dict[tuple, tuple[bool, float, float]] = field(default_factory=dict)
     # per kind: decided calls since the last refresh and refreshes so far; per (kind,
     # compressed?, size class) the synchronous calls' observed and predicted seconds
@@ -152,7 +153,7 @@ class Model:
                 q: QuantConfig) -> tuple[float, float]:
         """(exact, compressed) seconds of one call of ``numel`` elements a rank (an
         all-gather's input, a reduce-scatter's output, an all-reduce's tensor)."""
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         exact = self.exact[kind](numel * size)
         # a config the group was not calibrated for (a direct call's own): the codec's
         # cost an element hardly depends on the bits; the first config's stands in
@@ -218,7 +219,7 @@ class Model:
             exact, compressed = self.predict(kind, numel, dtype, q)
             got = self.decisions[key] = (compressed * MARGIN < exact, exact, compressed)
         if self.explore:
-            cls = size_class(numel * torch.empty((), dtype=dtype).element_size())
+            cls = size_class(numel * dtype.itemsize)
             if (kind, cls) in self.explore:
                 self.explore.discard((kind, cls))
                 compress, exact, compressed = got
@@ -229,7 +230,7 @@ class Model:
     def observe(self, kind: str, compressed: bool, numel: int, dtype: torch.dtype,
                 seconds: float, predicted: float) -> None:
         """A synchronous decided call's time on this rank, beside its prediction."""
-        cls = size_class(numel * torch.empty((), dtype=dtype).element_size())
+        cls = size_class(numel * dtype.itemsize)
         seen = self.observed.setdefault((kind, compressed, cls), [0.0, 0.0, 0])
         seen[0] += seconds
         seen[1] += predicted
@@ -338,6 +339,7 @@ def calibrate(state, kind: str, device: torch.device, configs) -> Model:
     over in under :data:`PROBE_SECONDS` (a fast link: latency would swamp the
     bandwidth), once more at the size that takes about that long, by the agreed
     times. The probes' bytes are counted as ``kind``'s control bytes."""
+    began = time.perf_counter()
     inner, world = state.inner, state.world
     two_level = state.plan == "two_level"
     levels = list(state.subgroups.get(state.topology))[::-1] if two_level else [inner]
@@ -366,7 +368,8 @@ def calibrate(state, kind: str, device: torch.device, configs) -> Model:
                                                                           strict=True)]
     exact = dict(zip(kinds, lines, strict=False))
     level = [lines[len(kinds) + 2 * j: len(kinds) + 2 * j + 2] for j in range(len(levels))]
-    return Model(world=world, exact=exact, gather=level[0][0], exchange=level[0][1],
+    return Model(seconds=time.perf_counter() - began,
+                 world=world, exact=exact, gather=level[0][0], exchange=level[0][1],
                  intra_gather=level[1][0] if two_level else None,
                  intra_exchange=level[1][1] if two_level else None,
                  nodes=state.topology.nodes if two_level else world,
@@ -440,7 +443,7 @@ def describe(group=None) -> dict:
     model = group_state(group).auto
     if model is None:
         return None
-    return {"world": model.world, "nodes": model.nodes,
+    return {"world": model.world, "nodes": model.nodes, "calibration_s": model.seconds,
             "exact": {k: {"latency_s": v.latency, "bandwidth_Bps": v.bandwidth}
                       for k, v in model.exact.items()},
             "gather": {"latency_s": model.gather.latency,
