@@ -131,11 +131,12 @@ def test_every_rank_decides_alike_and_compresses_as_the_fixed_setting():
     decided = r0["decisions"]
     assert [numel for numel, _ in decided] == [65536] + [1 << 18, 64] + [1 << 18] * 5
     assert all(compress for numel, compress in decided if numel == 1 << 18), decided
-    # 64 elements: the descriptor's round trip costs more than 192 bytes save
-    assert not any(compress for numel, compress in decided if numel == 64), decided
+    # (64 elements: the real latencies and codec decide, which this machine's load moves;
+    # the model's choice of exact for tiny calls is tested above, on a fixed model)
+    ways = [sum(1 for _, c in decided if c is way) for way in (False, True)]
     for r in (r0, r1):
         auto_exact, auto_compressed, exact, compressed, pe, pc = r["stats"]
-        assert auto_exact >= 1 and auto_compressed >= 5 and pe and pc, r["stats"]
+        assert [auto_exact, auto_compressed] == ways and pe and pc, (r["stats"], decided)
         assert (auto_exact, auto_compressed) == (exact, compressed), r["stats"]
         assert r["same_bytes"], "auto's compressed call differs from the fixed setting's"
         assert r["counted"] == r["wire"], (r["counted"], r["wire"])
