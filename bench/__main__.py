@@ -59,9 +59,6 @@ def parser() -> argparse.ArgumentParser:
         q.add_argument("--out", default=None,
                        help="results folder (default bench/results/<machine>/)")
         q.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
-        if name in ("collectives", "train"):
-            q.add_argument("--tag", default="", help="a suffix of the results' file names "
-                           "(collectives-1gbit-TAG.json): a run beside another on the same link")
         q.set_defaults(main=module.main)
     q = sub.add_parser("report", help="regenerate docs/results.md and README's results lines",
                        description=report.__doc__,

@@ -526,6 +526,8 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--config", action="append", type=common.arg(parse_config),
                    metavar="SPEC", help="one variant, repeatable: exact, bf16 or qcomm's "
                    "keys, e.g. bits=4,scheme=nuq (default: " + " ".join(CONFIGS) + ")")
+    p.add_argument("--tag", default="", help="a suffix of the results' file names "
+                   "(NAME-TAG.json): a run beside another of the same link and layout")
     p.add_argument("--rounds", type=int, default=1,
                    help="time every variant of a point this many times, interleaved (the "
                         "median over all rounds' calls)")

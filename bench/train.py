@@ -649,6 +649,8 @@ def add_arguments(p: argparse.ArgumentParser, on_gpu: bool) -> None:
                         "across nodes, shard inside a node)")
     p.add_argument("--seeds", type=common.arg(parse_ints), default=[0],
                    help="data-order seeds (comma list); each variant runs every seed")
+    p.add_argument("--tag", default="", help="a suffix of the results' file names "
+                   "(NAME-TAG.json): a run beside another of the same link and layout")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=128)
