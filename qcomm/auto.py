@@ -179,7 +179,8 @@ class Model:
         parts = pieces(n, q)
         k = len(parts)
         codec = sum(k * line.latency + count * n * line.per_byte for line, count in codec_calls)
-        if envelope_body(n, q) and per_peer <= envelope_cap(self.nodes):
+        flat = self.intra_gather is None  # a two-level call never rides
+        if flat and envelope_body(n, q) and per_peer <= envelope_cap(self.nodes):
             return codec + self.exchange(DESC_NBYTES + per_peer)
         transfer = k * wire.latency + per_peer * wire.per_byte
         return max(codec, transfer) + min(codec, transfer) / k

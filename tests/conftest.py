@@ -106,6 +106,9 @@ def run_ranks(fn, world: int, *args, backend: str = "qcomm", env: dict | list | 
                     errors.append(f"--- rank {rank} ---\n{value}")
                     break  # peers of a failed rank would wait for it until the timeout
         finally:
+            for r, p in enumerate(procs):
+                if r in dead and p.is_alive():  # stopped or hung, meant to fail: no grace
+                    p.kill()
             for p in procs:
                 p.join(timeout=5)
                 if p.is_alive():
