@@ -131,7 +131,11 @@ class Model:
     # observed over predicted, agreed at refreshes: per (kind, compressed?, size class),
     # and per (kind, compressed?, None) over all classes, for a class never observed
     correction: dict[tuple, float] = field(default_factory=dict)
-    seconds: float = 0.0  # what measuring this model took (calibrate), on this rank
+    # what measuring this model took (calibrate), on this rank, and of it the codec's
+    # calls: their first in a process pays its set-up (a compile, torch._inductor's
+    # import: seconds), which the first compressed call would pay otherwise
+    seconds: float = 0.0
+    codec_seconds: float = 0.0
     decisions: dict[tuple, tuple[bool, float, float]] = field(default_factory=dict)
     # per kind: decided calls since the last refresh and refreshes so far; per (kind,
     # compressed?, size class) the synchronous calls' observed and predicted seconds
@@ -354,10 +358,12 @@ def calibrate(state, kind: str, device: torch.device, configs) -> Model:
         return times
 
     configs = list(dict.fromkeys(configs))
-    small = measure(PROBE_SMALL)
-    agreed = probes.agree(inner, small + measure(PROBE_LARGE)
-                          + _codec_costs(configs, state.codec_for(device), device))
-    m = len(small)
+    links = measure(PROBE_SMALL) + measure(PROBE_LARGE)
+    began_codec = time.perf_counter()
+    codec = _codec_costs(configs, state.codec_for(device), device)
+    codec_s = time.perf_counter() - began_codec
+    agreed = probes.agree(inner, links + codec)
+    m = len(links) // 2
     small, large, codec = agreed[:m], agreed[m:2 * m], agreed[2 * m:]
     large_bytes = PROBE_LARGE
     if max(large) < PROBE_SECONDS:  # fast: again at the size that takes PROBE_SECONDS
@@ -369,7 +375,7 @@ def calibrate(state, kind: str, device: torch.device, configs) -> Model:
                                                                           strict=True)]
     exact = dict(zip(kinds, lines, strict=False))
     level = [lines[len(kinds) + 2 * j: len(kinds) + 2 * j + 2] for j in range(len(levels))]
-    return Model(seconds=time.perf_counter() - began,
+    return Model(seconds=time.perf_counter() - began, codec_seconds=codec_s,
                  world=world, exact=exact, gather=level[0][0], exchange=level[0][1],
                  intra_gather=level[1][0] if two_level else None,
                  intra_exchange=level[1][1] if two_level else None,
@@ -445,6 +451,7 @@ def describe(group=None) -> dict:
     if model is None:
         return None
     return {"world": model.world, "nodes": model.nodes, "calibration_s": model.seconds,
+            "link_calibration_s": model.seconds - model.codec_seconds,
             "exact": {k: {"latency_s": v.latency, "bandwidth_Bps": v.bandwidth}
                       for k, v in model.exact.items()},
             "gather": {"latency_s": model.gather.latency,
