@@ -268,8 +268,9 @@ def _timed(fn, *args, **kwargs) -> float:
 
 
 class _Probes:
-    """The inner calls of one calibration: each timed (:func:`_timed`), and the bytes
-    every call hands its peers counted (they go to stats as control bytes)."""
+    """The inner calls of one calibration or refresh: each timed (:func:`_timed`), the
+    agreement of their results (:meth:`agree`), and the bytes every call hands its peers
+    counted (they go to stats as control bytes)."""
 
     def __init__(self, kind: str, device: torch.device) -> None:
         self.kind, self.device = kind, device
@@ -401,14 +402,11 @@ def refresh(state, model: Model, kind: str, device: torch.device) -> None:
     :data:`MIN_OBSERVED` calls on a path scales that path's predictions for it by their
     ratio (at most :data:`MAX_CORRECTION` a refresh), and so, over all such classes, the
     path's predictions for classes never observed; fewer calls wait for the next refresh."""
-    inner, rank = state.inner, state.inner.rank()
     keys = [(kind, path, cls) for path in (False, True) for cls in range(CLASSES)]
     sums = [v for key in keys for v in model.observed.get(key, (0.0, 0.0, 0))]
-    agreed = torch.tensor(sums, dtype=torch.float64, device=device)
-    I.wait(I.start(I.all_reduce, kind, "auto's refresh", rank, inner, agreed,
-                   dist.ReduceOp.MAX), kind, "auto's refresh", rank)
-    state.record_control(kind, 2 * (state.world - 1) * -(-len(sums) // state.world) * 8)
-    t = agreed.tolist()
+    probes = _Probes(kind, device)
+    t = probes.agree(state.inner, sums)
+    state.record_control(kind, probes.bytes)
 
     def scale(key, observed: float, predicted: float, old: float) -> None:
         step = min(max(observed / predicted, 1 / MAX_CORRECTION), MAX_CORRECTION)

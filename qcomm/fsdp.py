@@ -143,10 +143,14 @@ class PieceState:
     def quantized(self) -> bool:
         return isinstance(self.state, QuantConfig)
 
-    def load(self, call: driver.Call, p: int, a: int, b: int) -> torch.Tensor:
-        """A copy of piece ``p``'s rows (elements ``[a, b)``) as fp32 [world, b - a], in
-        a scratch buffer: what the caller changes in it it hands to :meth:`store`, and
-        nothing changes the state until then (a refused call stores nothing)."""
+    def load(self, call: driver.Call, p: int, a: int, b: int, *,
+             copy: bool = True) -> torch.Tensor:
+        """Piece ``p``'s rows (elements ``[a, b)``) as fp32 [world, b - a]: what the
+        caller changes in them it hands to :meth:`store`. A copy in a scratch buffer, so
+        nothing changes the state until then (a refused call stores nothing); without
+        ``copy``, an fp32 state's own rows (a caller past the descriptor check)."""
+        if self.state == STATE_FP32 and not copy:
+            return self.data[:, a:b]
         rows = call.buffer("fsdp_state", self.world * (b - a), torch.float32,
                            self.data[0].device).view(self.world, b - a)
         if not self.quantized:
@@ -162,7 +166,9 @@ class PieceState:
         if not self.quantized:
             rows.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
             a, b = self.parts[p]
-            self.data[:, a:b].copy_(rows)
+            kept = self.data[:, a:b]
+            if rows.data_ptr() != kept.data_ptr():  # not the state's own rows
+                kept.copy_(rows)
             return
         out = self.data[p]
         quantize_rows(rows, self.state, [0] * self.world, out=out, **self.codec)
@@ -277,7 +283,7 @@ class DeltaAllGather(_PerModule, _AllGatherBase):
                 if ref.quantized:
                     ref.update(call, p, rows, call.q, out_rows[:, a:b])
                     return
-                acc = ref.load(call, p, a, b)
+                acc = ref.load(call, p, a, b, copy=False)  # past the descriptor check
                 dequantize_rows(rows, b - a, torch.float32, call.q, out=acc,
                                 accumulate=True, check=False, **call.codec)
                 out_rows[:, a:b].copy_(acc)

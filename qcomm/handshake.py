@@ -205,7 +205,7 @@ class DescriptorCheck:
     def __init__(self, inner, state, kind: str, desc: bytes, device: torch.device,
                  body: int = 0) -> None:
         self.exchange = Exchange(inner, state, kind, desc, device, body)
-        self.kind, self.desc, self.rank = kind, desc, inner.rank()
+        self.kind, self.desc = kind, desc
 
     @property
     def rides(self) -> bool:
