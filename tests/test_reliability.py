@@ -158,7 +158,7 @@ def _stop_self():  # alive, sockets open, never answering: only the timeout can 
 def _dying_body(rank, world, where):
     """Rank 1 kills itself in the middle of a collective; survivors return the error
     they raised and how long it took."""
-    import qcomm.collectives as C
+    import qcomm.algorithms as A
     import qcomm.inner as I
 
     group = dist.group.WORLD
@@ -169,14 +169,14 @@ def _dying_body(rank, world, where):
         elif where == "reduce_scatter":  # after the descriptors agreed, before payloads
             I.all_to_all = lambda *a, **k: _kill_self()
         elif where == "fsdp2":  # in the second reduce-scatter of the backward
-            real, calls = C.packed_reduce_scatter, []
+            real, calls = A.packed_reduce_scatter, []
 
             def dying(*args, **kwargs):
                 calls.append(1)
                 if len(calls) == 2:
                     _kill_self()
                 return real(*args, **kwargs)
-            C.packed_reduce_scatter = dying
+            A.packed_reduce_scatter = dying
     start = time.monotonic()
     try:
         if where == "fsdp2":
