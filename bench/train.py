@@ -404,7 +404,7 @@ def worker(spec: dict) -> dict:
     if any(e + c for e, c in decided):  # bits=auto: the share of its calls it compressed,
         row["auto_compressed"] = sum(c for _, c in decided) / sum(e + c for e, c in decided)
         # and what measuring its model took (the slowest group), all and the link's part
-        models = [m for m in map(qcomm.auto.describe, groups) if m is not None]
+        models = [m for m in map(qcomm.auto_model, groups) if m is not None]
         row["auto_calibration_s"] = max(m["calibration_s"] for m in models)
         row["auto_link_s"] = max(m["link_calibration_s"] for m in models)
     if spec.get("result"):

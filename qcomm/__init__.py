@@ -22,10 +22,11 @@ from .codec import (  # noqa: E402
 from .collectives import all_gather_into_tensor, all_reduce, reduce_scatter_tensor  # noqa: E402
 from .config import CommConfig, QuantConfig, comm_config_from_env  # noqa: E402
 from .ddp import ddp_comm_hook  # noqa: E402
+from .driver import auto_model, stats  # noqa: E402
 from .layout import packed_nbytes  # noqa: E402
 from .process_group import QcommProcessGroup, register, wrap  # noqa: E402
 from .purpose import exact  # noqa: E402
-from .stats import CollectiveStats, stats  # noqa: E402
+from .stats import CollectiveStats  # noqa: E402
 
 register()
 
@@ -37,6 +38,7 @@ __all__ = [
     "QuantConfig",
     "all_gather_into_tensor",
     "all_reduce",
+    "auto_model",
     "comm_config_from_env",
     "ddp_comm_hook",
     "dequantize",

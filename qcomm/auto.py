@@ -39,7 +39,7 @@ the call is the fixed setting's (the same config, the same bytes).
 
 ``qcomm.stats()`` counts each kind's decided calls each way with the predicted times
 of both paths (``auto_exact``, ``auto_compressed``, ``predicted_exact_s``,
-``predicted_compressed_s``); :func:`describe` gives the model itself.
+``predicted_compressed_s``); :func:`qcomm.auto_model` gives the model itself.
 """
 
 from __future__ import annotations
@@ -248,6 +248,26 @@ class Model:
         self.since[kind] = self.since.get(kind, 0) + 1
         return self.since[kind] > min(REFRESH, FIRST_REFRESH << self.refreshes.get(kind, 0))
 
+    def describe(self) -> dict:
+        """The model's measured inputs and corrections, as plain data
+        (:func:`qcomm.auto_model`)."""
+        model = self
+        return {"world": model.world, "nodes": model.nodes, "calibration_s": model.seconds,
+                "link_calibration_s": model.seconds - model.codec_seconds,
+                "exact": {k: {"latency_s": v.latency, "bandwidth_Bps": v.bandwidth}
+                          for k, v in model.exact.items()},
+                "gather": {"latency_s": model.gather.latency,
+                           "bandwidth_Bps": model.gather.bandwidth},
+                "exchange": {"latency_s": model.exchange.latency,
+                             "bandwidth_Bps": model.exchange.bandwidth},
+                "codec": {repr(q): {name: {"call_s": line.latency, "element_s": line.per_byte}
+                                    for name, line in zip(("quantize", "decode", "decode_sum"),
+                                                          v, strict=True)}
+                          for q, v in model.codec.items()},
+                "correction": {f"{k}/{'compressed' if p else 'exact'}/"
+                               + ("all" if c is None else f"4^{c}B"): v
+                               for (k, p, c), v in sorted(model.correction.items(), key=repr)}}
+
 
 def size_class(nbytes: int) -> int:
     """The size class of a call of ``nbytes`` a rank (factors of 4: 0..CLASSES - 1), by
@@ -438,28 +458,3 @@ def refresh(state, model: Model, kind: str, device: torch.device) -> None:
     model.since[kind] = 1
     model.refreshes[kind] = model.refreshes.get(kind, 0) + 1
     model.decisions.clear()
-
-
-def describe(group=None) -> dict:
-    """The auto model of ``group`` (default: the default group): its measured inputs and
-    corrections, or None before its first auto decision."""
-    from .driver import group_state
-
-    model = group_state(group).auto
-    if model is None:
-        return None
-    return {"world": model.world, "nodes": model.nodes, "calibration_s": model.seconds,
-            "link_calibration_s": model.seconds - model.codec_seconds,
-            "exact": {k: {"latency_s": v.latency, "bandwidth_Bps": v.bandwidth}
-                      for k, v in model.exact.items()},
-            "gather": {"latency_s": model.gather.latency,
-                       "bandwidth_Bps": model.gather.bandwidth},
-            "exchange": {"latency_s": model.exchange.latency,
-                         "bandwidth_Bps": model.exchange.bandwidth},
-            "codec": {repr(q): {name: {"call_s": line.latency, "element_s": line.per_byte}
-                                for name, line in zip(("quantize", "decode", "decode_sum"),
-                                                      v, strict=True)}
-                      for q, v in model.codec.items()},
-            "correction": {f"{k}/{'compressed' if p else 'exact'}/"
-                           + ("all" if c is None else f"4^{c}B"): v
-                           for (k, p, c), v in sorted(model.correction.items(), key=repr)}}

@@ -155,7 +155,7 @@ def scatter_from(group, out: torch.Tensor, chunks: list[torch.Tensor],
     """Reduce-scatter of per-rank input ``chunks`` (views of ``inp_flat`` when given)
     into ``out``; ``exact(op, chunks)`` is the passthrough (default: the inner flat
     reduce-scatter of ``inp_flat``); ``can_compress=False`` forces it.
-    ``residuals(world, n, dtype, device, parts)``, when given, returns the
+    ``residuals(call, n, dtype, device, parts)``, when given, returns the
     error-feedback state of a compressed call
     (:func:`qcomm.algorithms.packed_reduce_scatter`; ``parts`` its pieces)."""
     group = I.default(group)
@@ -188,7 +188,7 @@ def scatter_from(group, out: torch.Tensor, chunks: list[torch.Tensor],
         nbytes = A.packed_reduce_scatter(
             call, chunks, seeds, out=flat_out, op=op, check=check,
             residuals=None if residuals is None else residuals(
-                world, n, chunks[0].dtype, out.device, pieces(n, call.q)))
+                call, n, chunks[0].dtype, out.device, pieces(n, call.q)))
         return call.flat_bytes(peer_bytes(world, nbytes))
 
     return run(group, "reduce_scatter", tensor=out, numel=n,

@@ -46,8 +46,7 @@ from . import inner as I
 from .codec import FLOAT_DTYPES, codec_options
 from .config import CommConfig, QuantConfig, comm_config_from_env
 from .engine import AsyncWork, Engine, on_side_stream
-from .envelope import Envelope
-from .stats import Stats
+from .stats import CollectiveStats, Stats
 from .topology import (
     EXACT,
     FLAT,
@@ -100,17 +99,23 @@ class BufferCache:
 
 class GroupState:
     """What a group needs across calls: config, the inner group that moves its bytes,
-    the call counter (seeds), buffers, stats, and whether it has failed."""
+    the call counter (seeds), buffers, stats, and whether it has failed.
 
-    def __init__(self, config: CommConfig, inner, *, agreed: bool = False,
-                 connect: bool = False) -> None:
+    Built complete here, and changed only by this module's code (its methods and
+    :func:`run`): ``subgroups`` are the topology's connections (None: no store to make
+    them from), ``nodes`` every member's node key where the ranks agreed at creation
+    (:func:`qcomm.handshake.check_at_creation`), ``connect`` that a plain group's calls
+    move to connections of their own at its first call."""
+
+    def __init__(self, config: CommConfig, inner, *, subgroups: Subgroups | None = None,
+                 nodes: list[str] | None = None, connect: bool = False) -> None:
         self.config = config
         # The group's size, asked once: ProcessGroup.size() costs ~2.5 us a call through
         # pybind, and an exact call asked it four times (bench/experiments/exact_path.py at f72c4cf)
         self.world = inner.size() if inner is not None else 1
         # The group that moves the bytes. A plain group's state starts on the group
         # itself and, with ``connect``, moves to connections of its own at its first
-        # call through qcomm (handshake.ensure_agreed, Subgroups.own).
+        # call through qcomm (:meth:`agree`, Subgroups.own).
         self.inner = inner
         self.connect = connect
         self._codec: dict[str, dict] = {}  # codec keywords by device type (codec_for)
@@ -127,26 +132,21 @@ class GroupState:
         # that run them on CUDA, one per device index (qcomm.engine).
         self.engine = Engine()
         self.streams: dict = {}
-        # Whether every rank is known to run this config: True for groups made by
-        # init_process_group / new_group (checked through the store at creation); plain
-        # and wrapped groups check it at their first collective (handshake.ensure_agreed).
-        self.agreed = agreed
-        # (numel, dtype, config) whose received headers a CUDA group has checked
-        # (handshake.check_received); bounded by handshake.CHECKED_MAX.
-        self.checked: set = set()
-        # The calls that passed the descriptor check: every rank's envelope room follows
-        # from them (qcomm.envelope).
-        self.envelope = Envelope()
+        # What the ranks agreed on (the config, every call's descriptor, the envelope's
+        # history: qcomm.handshake); the config from the start where they did at creation.
+        self.agreement = handshake.Agreement(config=nodes is not None)
         # The members' nodes (qcomm.topology), learned with the config agreement; None
         # until then (and for a group of one rank). subgroups: the two-level plan's.
+        self.subgroups = subgroups
         self.topology: Topology | None = None
         self.plan, self.plan_why = FLAT, "no node information"
-        self.subgroups: Subgroups | None = None
         # Why every call of this group goes exact, whatever its config (a mesh dimension
         # that is not data-parallel: qcomm.purpose); None: calls may compress.
         self.exact_reason: str | None = None
         # bits=auto's measured model (qcomm.auto), made at the first call it decides
         self.auto: auto.Model | None = None
+        if nodes is not None:
+            self.learn_topology(nodes, inner.rank())
 
     def codec_for(self, device: torch.device) -> dict:
         """The codec keywords of this group's calls on ``device``
@@ -156,6 +156,33 @@ class GroupState:
         if got is None:
             got = self._codec[device.type] = codec_options(self.config, device)
         return got
+
+    def agree(self, group, kind: str, device: torch.device) -> None:
+        """Once per plain or wrapped group, at its first collective through qcomm: a
+        plain group's calls move to connections of their own (``connect``:
+        :meth:`qcomm.topology.Subgroups.own`, where the group's store is known); every
+        rank must hold this config (:meth:`qcomm.handshake.Agreement.agree_config`),
+        whose exchange also tells every rank each member's node (the plan)."""
+        if self.agreement.config or self.world == 1:
+            return
+        with self.lock:
+            if self.agreement.config:
+                return
+            if self.connect and self.subgroups is not None and self.subgroups.store is not None:
+                self.inner = self.subgroups.own(group.rank(), group.size())
+            self.connect = False
+            keys = self.agreement.agree_config(self.inner, self.config, kind, device,
+                                               self.record_control)
+            self.learn_topology(keys, self.inner.rank())
+
+    def use_inner(self, inner) -> None:
+        """Move the group's bytes to ``inner`` (a group of the same members)."""
+        self.inner = inner
+
+    def send_exact(self, reason: str | None) -> None:
+        """Every call of the group goes exact for ``reason`` (None: calls may compress
+        again): :mod:`qcomm.purpose`."""
+        self.exact_reason = reason
 
     def learn_topology(self, keys: list[str], rank: int) -> None:
         """Every member's node key, in group-rank order (the same list on every rank)."""
@@ -201,13 +228,44 @@ def group_state(group, config: CommConfig | None = None) -> GroupState:
             if state is None:
                 state = _plain_states[group] = GroupState(
                     comm_config_from_env() if config is None else config, group,
-                    connect=True)
-                state.subgroups = plain_subgroups(group)
+                    subgroups=plain_subgroups(group), connect=True)
                 return state
     if config is not None and config != state.config:
         raise ValueError(f"qcomm: the group already runs {state.config!r}; asked for "
                          f"{config!r} (one config per group)")
     return state
+
+
+def adopt(group, config: CommConfig, device: torch.device) -> GroupState:
+    """The state of plain ``group`` running ``config`` (a ValueError if it runs another),
+    its config agreed by every rank now: the hook route's groups (:func:`qcomm.fsdp.compress`),
+    agreed at install time, which every rank runs, not at a first call that a rank might
+    make alone. A collective: every member calls it."""
+    state = group_state(group, config)
+    state.agree(group, "all_gather", device)
+    return state
+
+
+def stats(group=None, *, reset: bool = False) -> dict[str, CollectiveStats]:
+    """Counters of ``group`` (default: the default group), per collective kind.
+
+    Works for qcomm groups and for plain groups used through the direct functions
+    (:func:`qcomm.all_gather_into_tensor`, ...). ``reset=True`` zeroes them after
+    reading.
+    """
+    counters = group_state(group).stats
+    snap = counters.snapshot()
+    if reset:
+        counters.reset()
+    return snap
+
+
+def auto_model(group=None) -> dict | None:
+    """bits=auto's model of ``group`` (default: the default group), its measured inputs
+    and corrections (:meth:`qcomm.auto.Model.describe`); None before its first auto
+    decision."""
+    model = group_state(group).auto
+    return None if model is None else model.describe()
 
 
 def inner_of(group):
@@ -365,12 +423,12 @@ class Call:
         """Start the call's descriptor check (None on CUDA): finish it before sending.
         ``body``: the bytes of payloads that may ride in its envelope
         (:class:`qcomm.handshake.DescriptorCheck`)."""
-        return handshake.start_descriptor_check(self.inner, self.state, self.kind, numel,
-                                                dtype, self.q, op, self.index, device, body)
+        return self.state.agreement.check_call(self.inner, self.state, self.kind, numel,
+                                               dtype, self.q, op, self.index, device, body)
 
     def check_received(self, rows: torch.Tensor, numel: int, dtype: torch.dtype,
                        skip: int | None = None) -> None:
-        handshake.check_received(rows, numel, dtype, self.q, skip, self.state)
+        self.state.agreement.check_received(rows, numel, dtype, self.q, skip)
 
     @property
     def two_level(self) -> bool:
@@ -434,7 +492,7 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
     state.check_failed()
     if state.subgroups is not None:
         state.subgroups.follow()  # the served group's timeout, where it changed
-    handshake.ensure_agreed(group, state, kind, tensor.device)
+    state.agree(group, kind, tensor.device)
     inner = state.inner
     q = quant_config(kind, state, config)
     may = (can_compress and state.plan != EXACT and purpose.may_compress(state)

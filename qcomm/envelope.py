@@ -146,19 +146,20 @@ class Exchange:
     """One envelope exchange: the descriptor to every peer, and (when the call rides)
     a payload per peer after it.
 
-    ``body``: the bytes of payload for each peer the call would carry (0: it never
-    rides). Where it fits the agreed room (:attr:`rides`), the caller writes its
+    ``history``: the group's agreed calls, which give the room; ``state`` lends its
+    buffers and counters. ``body``: the bytes of payload for each peer the call would
+    carry (0: it never rides). Where it fits the agreed room (:attr:`rides`), the caller writes its
     payloads into :meth:`payloads` and calls :meth:`start`; otherwise the exchange
     starts at once, before the codec runs. :meth:`wait` waits; then :meth:`descriptors`
     are every rank's and :meth:`received` the riding payloads."""
 
-    def __init__(self, inner, state, kind: str, desc: bytes, device: torch.device,
-                 body: int) -> None:
-        self.kind, self.desc, self.state = kind, desc, state
+    def __init__(self, inner, state, history: Envelope, kind: str, desc: bytes,
+                 device: torch.device, body: int) -> None:
+        self.kind, self.desc, self.state, self.history = kind, desc, state, history
         self.inner, self.rank, self.world = inner, inner.rank(), inner.size()
         self.body = body
         self.cap = envelope_cap(self.world)
-        room = state.envelope.room()
+        room = history.room()
         room = room if room <= self.cap else 0
         self.size = DESC_NBYTES + room
         self.rides = 0 < body <= room
@@ -207,8 +208,7 @@ class Exchange:
     def agreed(self) -> None:
         """Record this call in the group's history (every rank saw the same
         descriptors)."""
-        self.state.envelope.agreed(self.desc[:KEY_NBYTES],
-                                   self.body if self.body <= self.cap else 0)
+        self.history.agreed(self.desc[:KEY_NBYTES], self.body if self.body <= self.cap else 0)
 
     def received(self, offset: int, nbytes: int) -> torch.Tensor:
         """[world, nbytes] rows: bytes ``[offset, offset + nbytes)`` of the body each

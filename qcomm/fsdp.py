@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives as C
-from . import driver, handshake
+from . import driver
 from .codec import dequantize_rows, quantize_rows, update_state_rows
 from .config import CommConfig, QuantConfig, as_comm_config
 from .layout import HEADER_NBYTES, meta_nbytes, packed_nbytes
@@ -237,13 +237,13 @@ class _PerModule(_Allocate):
         """Bytes of state held on this rank."""
         return sum(s.nbytes() for s in self._states.values())
 
-    def _state(self, group, world: int, n: int, dtype: torch.dtype, device: torch.device,
-               parts: list[tuple[int, int]]) -> PieceState:
-        key = (id(group), world, n, dtype, device, tuple(parts))
+    def _state(self, group, call: driver.Call, n: int, dtype: torch.dtype,
+               device: torch.device, parts: list[tuple[int, int]]) -> PieceState:
+        key = (id(group), call.world, n, dtype, device, tuple(parts))
         got = self._states.get(key)
         if got is None:
-            got = self._states[key] = PieceState(self.state, world, n, dtype, device, parts,
-                                                 codec=driver.group_state(group).codec_for(device))
+            got = self._states[key] = PieceState(self.state, call.world, n, dtype, device,
+                                                 parts, codec=call.codec)
         return got
 
 
@@ -268,7 +268,7 @@ class DeltaAllGather(_PerModule, _AllGatherBase):
 
         def prepare(call: driver.Call):
             """The difference to send, and how every rank decodes it through the state."""
-            ref = self._state(group, world, n, inp.dtype, inp.device, pieces(n, call.q))
+            ref = self._state(group, call, n, inp.dtype, inp.device, pieces(n, call.q))
             # reads inp (a view into out) before anything is written; a copy, never
             # the caller's tensor
             delta = ref.subtract_row(call, call.rank, inp.to(torch.float32, copy=True))
@@ -315,9 +315,9 @@ class ErrorFeedbackReduceScatter(_PerModule, _ReduceScatterBase):
                                                    gathered=False)
         chunks = inp.view(world, out.numel()) if out.numel() else []
 
-        def residuals(world: int, n: int, dtype: torch.dtype, device: torch.device,
+        def residuals(call: driver.Call, n: int, dtype: torch.dtype, device: torch.device,
                       parts: list[tuple[int, int]]) -> PieceState:
-            return self._state(group, world, n, dtype, device, parts)
+            return self._state(group, call, n, dtype, device, parts)
 
         return C.scatter_from(group, out, chunks, inp, op, config=self.config,
                               async_op=async_op, residuals=residuals)
@@ -463,8 +463,7 @@ def compress(module: torch.nn.Module, config: CommConfig | QuantConfig | None = 
         if isinstance(group, QcommProcessGroup):
             raise ValueError("compress: FSDP's group is already a qcomm group (the backend "
                              "route); its calls compress without hooks")
-        state = driver.group_state(group, config)
-        handshake.ensure_agreed(group, state, "all_gather", device)
+        driver.adopt(group, config, device)
     replicate, made = [], {}
     for m, _, _ in installed:
         info = _param_groups(m)[0].mesh_info

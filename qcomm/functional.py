@@ -32,13 +32,12 @@ def _group(group_name) -> dist.ProcessGroup:
 
 def _all_gather_into_tensor_out(input: torch.Tensor, group_size: int, group_name, *,
                                 out: torch.Tensor) -> torch.Tensor:
-    from .process_group import QcommProcessGroup
-
     group = _group(group_name)
     if group_size != group.size():
         raise ValueError(f"all_gather_into_tensor_out: group_size {group_size} but the "
                          f"group has {group.size()} ranks")
-    if isinstance(group, QcommProcessGroup):
+    if getattr(group, "_qcomm_state", None) is not None:  # a QcommProcessGroup (which
+        # imports this module)
         work = group.all_gather_single(out, input)
     else:
         work = group._allgather_base(out, input, _c10d.AllgatherOptions())

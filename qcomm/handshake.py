@@ -11,9 +11,10 @@ runs after the payloads moved: the group fails for good (:mod:`qcomm.driver`).
 
 1. **At creation** (:func:`check_at_creation`): groups made by ``init_process_group``
    / ``new_group`` compare their :class:`~qcomm.CommConfig` through the store.
-2. **At the first collective** (:func:`ensure_agreed`): groups made by ``qcomm.wrap``
-   and plain groups used through the direct calls all-gather a config fingerprint once.
-3. **Every compressed call on a CPU group** (:func:`start_descriptor_check`): each rank
+2. **At the first collective** (:meth:`Agreement.agree_config`): groups made by
+   ``qcomm.wrap`` and plain groups used through the direct calls all-gather a config
+   fingerprint once.
+3. **Every compressed call on a CPU group** (:meth:`Agreement.check_call`): each rank
    sends every peer a 48-byte descriptor (size, dtype, config, collective, op, call
    index; drawn in qcomm/layout.py) and compares those it receives before the payloads
    move. A check only on the first call per shape would be unsound: a rank that has
@@ -23,7 +24,12 @@ runs after the payloads moved: the group fails for good (:mod:`qcomm.driver`).
    exchange, a call that does not ride starts it before its quantize so its latency
    hides behind the codec. CUDA groups skip it (comparing on the host would synchronize
    the stream every call).
-4. **Every received payload's header** (:func:`check_received`), on CUDA once per shape.
+4. **Every received payload's header** (:meth:`Agreement.check_received`), on CUDA once
+   per shape.
+
+What a group has agreed on is one object, its :class:`Agreement` (the driver's
+``GroupState.agreement``): whether the config is, the history of agreed calls (the
+envelope's), and the shapes a CUDA group has checked.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from . import inner as I
 from . import layout
 from .codec import check_headers
 from .config import CommConfig, QuantConfig, node_key
-from .envelope import Exchange
+from .envelope import Envelope, Exchange
 from .layout import NO_OP
 
 # Config fingerprint exchanged once per plain or wrapped group: sha256 hex, then repr.
@@ -118,43 +124,33 @@ def _config_blob(config: CommConfig, node: str) -> bytes:
     return blob[:CONFIG_NBYTES].ljust(CONFIG_NBYTES, b"\0")
 
 
-def ensure_agreed(group, state, kind: str, device: torch.device) -> None:
-    """Once per plain or wrapped group, at its first collective through qcomm: a plain
-    group's state moves to connections of its own (``state.connect``:
-    :meth:`qcomm.topology.Subgroups.own`, where the group's store is known); every rank
-    must hold the same :class:`CommConfig` (``state.config``), or ranks would choose
-    differently between compressed and exact calls; the same exchange tells every rank
-    each member's node (``state.learn_topology``)."""
-    if state.agreed or state.world == 1:
-        return
-    with state.lock:
-        if state.agreed:
-            return
-        if state.connect and state.subgroups is not None and state.subgroups.store is not None:
-            state.inner = state.subgroups.own(group.rank(), group.size())
-        state.connect = False
-        inner = state.inner
-        world, rank = inner.size(), inner.rank()
-        mine = _config_blob(state.config, node_key())
-        send = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
-        recv = torch.empty(world * CONFIG_NBYTES, dtype=torch.uint8, device=device)
-        work = I.start(I.all_gather, kind, "the config agreement", rank, inner, recv, send)
-        I.wait(work, kind, "the config agreement", rank)
-        state.record_control(kind, (world - 1) * CONFIG_NBYTES)
-        keys = []
-        text = 64 + NODE_NBYTES
-        blobs = [bytes(row) for row in recv.view(world, CONFIG_NBYTES).cpu().tolist()]
-        for peer, theirs in enumerate(blobs):
-            if theirs[:64] != blobs[0][:64]:  # against rank 0's: the same words everywhere
-                said = [b[text:].rstrip(bytes(1)).decode(errors="replace")
-                        for b in (blobs[0], theirs)]
-                raise Refused(
-                    f"qcomm config differs between ranks: rank 0 has {said[0]}, rank "
-                    f"{peer} has {said[1]} (check the QCOMM_* environment variables, or "
-                    "the config given to qcomm.wrap)")
-            keys.append(theirs[64:text].rstrip(bytes(1)).decode(errors="replace"))
-        state.learn_topology(keys, rank)
-        state.agreed = True
+def agree_config(inner, config: CommConfig, kind: str, device: torch.device,
+                 record) -> list[str]:
+    """Every rank of ``inner`` must hold the same :class:`CommConfig`, or ranks would
+    choose differently between compressed and exact calls: one all-gather of a config
+    fingerprint (``record(kind, nbytes)`` counts its bytes), compared with rank 0's so
+    that every rank raises the same words (:class:`Refused`). The same exchange tells
+    every rank each member's node: returns the node keys, in rank order."""
+    world, rank = inner.size(), inner.rank()
+    mine = _config_blob(config, node_key())
+    send = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
+    recv = torch.empty(world * CONFIG_NBYTES, dtype=torch.uint8, device=device)
+    work = I.start(I.all_gather, kind, "the config agreement", rank, inner, recv, send)
+    I.wait(work, kind, "the config agreement", rank)
+    record(kind, (world - 1) * CONFIG_NBYTES)
+    keys = []
+    text = 64 + NODE_NBYTES
+    blobs = [bytes(row) for row in recv.view(world, CONFIG_NBYTES).cpu().tolist()]
+    for peer, theirs in enumerate(blobs):
+        if theirs[:64] != blobs[0][:64]:  # against rank 0's: the same words everywhere
+            said = [b[text:].rstrip(bytes(1)).decode(errors="replace")
+                    for b in (blobs[0], theirs)]
+            raise Refused(
+                f"qcomm config differs between ranks: rank 0 has {said[0]}, rank "
+                f"{peer} has {said[1]} (check the QCOMM_* environment variables, or "
+                "the config given to qcomm.wrap)")
+        keys.append(theirs[64:text].rstrip(bytes(1)).decode(errors="replace"))
+    return keys
 
 
 # ---------------------------------------------------------------------------------
@@ -194,74 +190,83 @@ def explain(mine: bytes, theirs: bytes, rank: int, peer: int) -> str:
     return "; ".join(diff) or "descriptors differ in reserved bytes"
 
 
-class DescriptorCheck:
-    """One compressed call's descriptor check, over its envelope exchange
-    (:class:`qcomm.envelope.Exchange`: the transport, and the payloads that ride in it).
-    :meth:`finish` waits and compares every rank's descriptor with rank 0's; a
-    mismatch is :class:`Refused` on every rank alike, in the same words (every rank
-    received the same descriptors), and the call is recorded in the group's history
-    otherwise."""
-
-    def __init__(self, inner, state, kind: str, desc: bytes, device: torch.device,
-                 body: int = 0) -> None:
-        self.exchange = Exchange(inner, state, kind, desc, device, body)
-        self.kind, self.desc = kind, desc
-
-    @property
-    def rides(self) -> bool:
-        return self.exchange.rides
-
-    def payloads(self) -> torch.Tensor:
-        return self.exchange.payloads()
-
-    def start(self, *, same_for_all: bool = False) -> None:
-        self.exchange.start(same_for_all=same_for_all)
-
-    def received(self, offset: int, nbytes: int) -> torch.Tensor:
-        return self.exchange.received(offset, nbytes)
+class DescriptorCheck(Exchange):
+    """One compressed call's descriptor check: its envelope exchange
+    (:class:`qcomm.envelope.Exchange`: the transport, and the payloads that ride in it),
+    finished by :meth:`finish`, which waits and compares every rank's descriptor with
+    rank 0's; a mismatch is :class:`Refused` on every rank alike, in the same words
+    (every rank received the same descriptors), and the call is recorded in the
+    agreed history otherwise."""
 
     def finish(self) -> None:
-        descs = self.exchange.wait()
+        descs = self.wait()
         # every rank received the same descriptors (its own among them): each compares
         # them with rank 0's, so every rank raises the same words
         for peer, theirs in enumerate(descs):
             if theirs != descs[0]:
-                self.exchange.refused()
+                self.refused()
                 why = explain(descs[0], theirs, 0, peer)
                 raise Refused(f"qcomm {self.kind}: ranks disagree ({why}); every rank "
                               "refused the call before any payload moved on its own: no "
                               "output was written and no state changed; the descriptors, "
                               "and any payload that rode with them, were sent (counted in "
                               "qcomm.stats as control bytes); the group stays usable")
-        self.exchange.agreed()
-
-
-def start_descriptor_check(inner, state, kind: str, numel: int, dtype: torch.dtype,
-                           q: QuantConfig, op, call: int, device: torch.device,
-                           body: int = 0) -> DescriptorCheck | None:
-    """Start the descriptor exchange of one compressed call (None on CUDA: see above);
-    ``body``: the payload bytes for each peer that may ride in its envelope (0: none)."""
-    if device.type == "cuda":
-        return None
-    desc = layout.encode_descriptor(kind, numel, dtype, q, op_id(op), call)
-    return DescriptorCheck(inner, state, kind, desc, device, body)
+        self.agreed()
 
 
 # ---------------------------------------------------------------------------------
 # 4. Every received payload's header
 
 
-def check_received(rows: torch.Tensor, numel: int, dtype: torch.dtype, q: QuantConfig,
-                   skip: int | None, state) -> None:
-    """Check every received payload's header (``rows``: one payload a row; ``skip``: the
-    row not received) with one device-to-host copy; a mismatch is a clear error naming
-    the sender. A CUDA group checks each (numel, dtype, config) once: reading headers
-    back costs a device sync, which would stall FSDP's overlap if paid per call."""
-    if rows.device.type == "cuda":
-        key = (numel, dtype, q)
-        if key in state.checked:
-            return
-        if len(state.checked) >= CHECKED_MAX:
-            state.checked.clear()
-        state.checked.add(key)
-    check_headers(rows, numel, dtype, q, skip, who="payload from rank")
+class Agreement:
+    """What the ranks of one group have agreed on, and the checks that keep it so.
+
+    - ``config``: whether every rank is known to run the group's config: True from the
+      start for groups made by ``init_process_group`` / ``new_group`` (compared through
+      the store, :func:`check_at_creation`); plain and wrapped groups agree at their
+      first collective (:meth:`agree_config`).
+    - ``history``: the calls that passed the descriptor check, the same on every rank
+      (:class:`qcomm.envelope.Envelope`: each call's envelope room follows from it);
+      :meth:`check_call` starts a call's check.
+    - ``checked``: the (numel, dtype, config) whose received headers a CUDA group has
+      checked (:meth:`check_received`), at most :data:`CHECKED_MAX`.
+    """
+
+    def __init__(self, *, config: bool = False) -> None:
+        self.config = config
+        self.history = Envelope()
+        self.checked: set = set()
+
+    def agree_config(self, inner, config: CommConfig, kind: str, device: torch.device,
+                     record) -> list[str]:
+        """:func:`agree_config` once: every member's node key, in rank order."""
+        keys = agree_config(inner, config, kind, device, record)
+        self.config = True
+        return keys
+
+    def check_call(self, inner, state, kind: str, numel: int, dtype: torch.dtype,
+                   q: QuantConfig, op, call: int, device: torch.device,
+                   body: int = 0) -> DescriptorCheck | None:
+        """Start the descriptor exchange of one compressed call (None on CUDA: see the
+        module docstring); ``body``: the payload bytes for each peer that may ride in
+        its envelope (0: none). ``state`` lends its buffers and counters."""
+        if device.type == "cuda":
+            return None
+        desc = layout.encode_descriptor(kind, numel, dtype, q, op_id(op), call)
+        return DescriptorCheck(inner, state, self.history, kind, desc, device, body)
+
+    def check_received(self, rows: torch.Tensor, numel: int, dtype: torch.dtype,
+                       q: QuantConfig, skip: int | None) -> None:
+        """Check every received payload's header (``rows``: one payload a row;
+        ``skip``: the row not received) with one device-to-host copy; a mismatch is a
+        clear error naming the sender. A CUDA group checks each (numel, dtype, config)
+        once: reading headers back costs a device sync, which would stall FSDP's
+        overlap if paid per call."""
+        if rows.device.type == "cuda":
+            key = (numel, dtype, q)
+            if key in self.checked:
+                return
+            if len(self.checked) >= CHECKED_MAX:
+                self.checked.clear()
+            self.checked.add(key)
+        check_headers(rows, numel, dtype, q, skip, who="payload from rank")

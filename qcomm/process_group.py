@@ -72,11 +72,17 @@ class QcommProcessGroup(dist.ProcessGroup):
     quantized payloads through ``inner`` and passes everything else through exactly."""
 
     def __init__(self, inner: dist.ProcessGroup, config: CommConfig, *,
-                 owns_inner: bool = True, exact: bool = False) -> None:
+                 owns_inner: bool = True, exact: bool = False,
+                 subgroups: Subgroups | None = None, nodes: list[str] | None = None,
+                 state: driver.GroupState | None = None) -> None:
+        """``subgroups`` and ``nodes`` as :class:`qcomm.driver.GroupState`'s; ``state``:
+        another group's (an exact twin shares its group's: the same inner group, call
+        order and seeds)."""
         if not isinstance(config, CommConfig):
             raise TypeError(f"config must be a qcomm.CommConfig, got {config!r}")
         super().__init__(inner.rank(), inner.size())
-        self._qcomm_state = driver.GroupState(config, inner)
+        self._qcomm_state = state if state is not None else driver.GroupState(
+            config, inner, subgroups=subgroups, nodes=nodes)
         self._owns_inner = owns_inner
         self._qcomm_name: str | None = None
         self._qcomm_desc = "undefined"
@@ -107,7 +113,7 @@ class QcommProcessGroup(dist.ProcessGroup):
 
     @inner.setter
     def inner(self, group) -> None:
-        self._qcomm_state.inner = group
+        self._qcomm_state.use_inner(group)
 
     def __repr__(self) -> str:
         return (f"QcommProcessGroup(rank={self.rank()}, size={self.size()}, "
@@ -134,8 +140,8 @@ class QcommProcessGroup(dist.ProcessGroup):
         (:mod:`qcomm.purpose`): the same inner group and state, every call exact,
         registered with torch under the name the purpose module gives it."""
         purpose.install_dtensor_view()
-        twin = QcommProcessGroup(self.inner, self.config, owns_inner=False, exact=True)
-        twin._qcomm_state = self._qcomm_state
+        twin = QcommProcessGroup(self.inner, self.config, owns_inner=False, exact=True,
+                                 state=self._qcomm_state)
         twin._qcomm_name = purpose.register_twin(name)
         _unregister(twin._qcomm_name)  # a re-made group's name
         _c10d._register_process_group(twin._qcomm_name, twin)
@@ -148,7 +154,7 @@ class QcommProcessGroup(dist.ProcessGroup):
         reason = purpose.mesh_dim_reason(desc)
         if reason and self._qcomm_state.exact_reason is None:
             log.info("qcomm: group %r sends exact: %s", desc, reason)
-        self._qcomm_state.exact_reason = reason
+        self._qcomm_state.send_exact(reason)
 
     def getGroupName(self) -> str:  # noqa: N802 (torch's C++-style name)
         return self.group_name
@@ -336,12 +342,10 @@ def _create(opts, pg_options=None) -> QcommProcessGroup:
     config = comm_config_from_env()  # a bad QCOMM_* value fails here, naming it
     inner = I.make_inner(store, rank, size, timeout, config.inner, options=pg_options)
     nodes = handshake.check_at_creation(store, rank, size, config, node_key())
-    pg = QcommProcessGroup(inner, config)
-    state = pg._qcomm_state
-    state.agreed = True  # just checked: no exchange at the first collective
-    state.subgroups = Subgroups(store, inner, config.inner)  # dist.set_timeout lands on inner
-    state.learn_topology(nodes, rank)
-    return pg
+    # nodes: just agreed, no exchange at the first collective; the subgroups follow
+    # dist.set_timeout, which lands on inner
+    return QcommProcessGroup(inner, config, subgroups=Subgroups(store, inner, config.inner),
+                             nodes=nodes)
 
 
 def register() -> None:
@@ -373,8 +377,7 @@ def wrap(group=None, config: CommConfig | QuantConfig | None = None) -> QcommPro
     if subgroups.store is not None and group.size() > 1:
         inner = subgroups.own(group.rank(), group.size())
         owns = True
-    pg = QcommProcessGroup(inner, config, owns_inner=owns)
-    pg._qcomm_state.subgroups = subgroups
+    pg = QcommProcessGroup(inner, config, owns_inner=owns, subgroups=subgroups)
     name = f"{group.group_name}:qcomm:{id(pg):x}"
     pg._set_group_name(name)
     ranks = dict(_c10d._world.pg_group_ranks.get(group, {r: r for r in range(group.size())}))

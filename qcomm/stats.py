@@ -120,19 +120,3 @@ def _row(name: str, s: CollectiveStats) -> str:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
-
-
-def stats(group=None, *, reset: bool = False) -> dict[str, CollectiveStats]:
-    """Counters of ``group`` (default: the default group), per collective kind.
-
-    Works for qcomm groups and for plain groups used through the direct functions
-    (:func:`qcomm.all_gather_into_tensor`, ...). ``reset=True`` zeroes them after
-    reading.
-    """
-    from .driver import group_state  # the driver imports this module
-
-    counters = group_state(group).stats
-    snap = counters.snapshot()
-    if reset:
-        counters.reset()
-    return snap

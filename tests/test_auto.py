@@ -109,7 +109,7 @@ def _auto_body(rank, world):
     res["stats"] = (stats.auto_exact, stats.auto_compressed, stats.calls_exact,
                     stats.calls_compressed, stats.predicted_exact_s > 0,
                     stats.predicted_compressed_s > 0)
-    res["model"] = qcomm.auto.describe(auto)
+    res["model"] = qcomm.auto_model(auto)
     res["calibration_s"] = res["model"].pop("calibration_s")  # this rank's own times
     res["link_s"] = res["model"].pop("link_calibration_s")
     res["decisions"] = list(decided)

@@ -457,8 +457,8 @@ def _disagree_body(rank, world):
     # are named, after the exchange; the payloads had moved, so each group fails for good
     import qcomm.handshake as H
 
-    real = H.start_descriptor_check
-    H.start_descriptor_check = lambda *a, **k: None
+    real = H.Agreement.check_call
+    H.Agreement.check_call = lambda *a, **k: None
     try:
         for match, inp, config in (
                 ("payload from rank .*rounding", x, other(rounding="nearest")),
@@ -471,7 +471,7 @@ def _disagree_body(rank, world):
             with pytest.raises(dist.DistBackendError, match="earlier call.*" + match):
                 qcomm.all_gather_into_tensor(out, inp, fresh, config=config)
     finally:
-        H.start_descriptor_check = real
+        H.Agreement.check_call = real
     return True
 
 
@@ -505,13 +505,13 @@ def _refused_body(rank, world):
     for i in range(9):  # a period of one call: the 9th call's payload rides
         qcomm.all_gather_into_tensor(out, make(rank, n, salt=i), group)
     state = group_state(group)
-    before = (state.calls, len(state.envelope.keys), state.envelope.room())
+    history = state.agreement.history
+    before = (state.calls, len(history.keys), history.room())
     with pytest.raises(ValueError, match="ranks disagree.*bits: rank 1 has 4, rank 0 8"):
         qcomm.all_gather_into_tensor(out, make(rank, n), group,
                                      config=QuantConfig(bits=4) if rank else None)
     res["rode"] = before[2] > 0
-    res["unchanged"] = before == (state.calls, len(state.envelope.keys),
-                                  state.envelope.room())
+    res["unchanged"] = before == (state.calls, len(history.keys), history.room())
     s = qcomm.stats(group)
     res["counted"] = sum(c.to_peers for c in counters)
     res["wire"] = sum(v.wire_bytes for v in s.values())
