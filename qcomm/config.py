@@ -31,7 +31,7 @@ Rounding = Literal["stochastic", "nearest"]
 SCHEMES: tuple[str, ...] = tuple(s.name for s in layout.SCHEMES)
 if get_args(Scheme) != SCHEMES:
     raise ValueError(f"qcomm.config.Scheme {get_args(Scheme)} differs from "
-                      f"qcomm.layout.SCHEMES {SCHEMES}")
+                     f"qcomm.layout.SCHEMES {SCHEMES}")
 NORMS: tuple[str, ...] = ("max", "l2")
 ROUNDINGS: tuple[str, ...] = ("stochastic", "nearest")
 TOPOLOGIES: tuple[str, ...] = ("auto", "flat")

@@ -115,9 +115,9 @@ class Scheme:
         if isinstance(self.id, bool) or not isinstance(self.id, int) or not 0 <= self.id <= 255:
             raise ValueError(f"Scheme.id must be an int in 0..255 (the header's byte), got "
                              f"{self.id!r}")
-        if isinstance(self.meta_words, bool) or not isinstance(self.meta_words, int) \
-                or self.meta_words < 1:
-            raise ValueError(f"Scheme.meta_words must be an int >= 1, got {self.meta_words!r}")
+        words = self.meta_words
+        if isinstance(words, bool) or not isinstance(words, int) or words < 1:
+            raise ValueError(f"Scheme.meta_words must be an int >= 1, got {words!r}")
         if not callable(self.levels) or not callable(self.divisor):
             raise TypeError(f"Scheme {self.name!r}: levels and divisor must be callables")
         if self.one_bit is not None and not isinstance(self.one_bit, str):
@@ -125,8 +125,9 @@ class Scheme:
 
 
 # The schemes, in QuantConfig's order. A new one is a row here plus its arithmetic in
-# each path (a branch on its id). nuq's divisor is not read (its step is the scale
-# itself), but the torch path passes one for every scheme.
+# each path (a branch on its id). maxnorm has 2 levels at 1 bit, {-s, +s}, where
+# 2^b - 1 would leave one. nuq's divisor is not read (its step is the scale itself),
+# but the torch path passes one for every scheme.
 MINMAX = Scheme("minmax", id=0, meta_words=2, levels=lambda b: 1 << b,
                 divisor=lambda L: float(L - 1), env="minmax")
 MAXNORM = Scheme("maxnorm", id=1, meta_words=1, levels=lambda b: (1 << b) - 1 if b >= 2 else 2,
@@ -169,7 +170,8 @@ def effective_scheme_id(name: str, bits: int) -> int:
 
 
 def levels(scheme_id: int, bits: int) -> int:
-    """Number of representable levels (uniform schemes) or ``M + 1`` magnitudes (nuq)."""
+    """Number of representable levels (uniform schemes) or ``M + 1`` magnitudes (nuq) of
+    the scheme with id ``scheme_id`` (by id: what the torch path's graphs are keyed by)."""
     return SCHEME_BY_ID[scheme_id].levels(bits)
 
 
