@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 from qcomm import constants as C
-from qcomm.layout import NAN_BITS, SCHEME_IDS
+from qcomm import layout
+from qcomm.layout import NAN_BITS
 
 
 # One program per bucket. Warps per program: one per 1024 elements, 1 to 8 (a 1024
@@ -25,10 +26,11 @@ def num_warps(bucket_size: int, warps: int = 0) -> int:
     return warps or max(1, min(8, bucket_size // 1024))
 
 
-# A kernel's SCHEME (qcomm.layout.SCHEME_IDS: the id the payload header carries).
-MINMAX = tl.constexpr(SCHEME_IDS["minmax"])
-MAXNORM = tl.constexpr(SCHEME_IDS["maxnorm"])
-NUQ = tl.constexpr(SCHEME_IDS["nuq"])
+# A kernel's SCHEME: the id of a row of qcomm.layout.SCHEMES (the header's scheme byte),
+# the one layout.scheme_for gives (:func:`scheme_args`).
+MINMAX = tl.constexpr(layout.MINMAX.id)
+MAXNORM = tl.constexpr(layout.MAXNORM.id)
+NUQ = tl.constexpr(layout.NUQ.id)
 
 # qcomm.constants as Triton constants. Globals must be constexpr *instances*: triton
 # 3.6 refuses the annotated form (``X: tl.constexpr = ...``) that later versions and the
@@ -158,6 +160,13 @@ def tile_args(config, n: int, elem_size: int, halves: bool = False, warps: int =
                 RBLOCK=triton.next_power_of_2(B // R // (2 if paired else 1)),
                 WIDE=n + B >= 2**31, num_warps=num_warps(B, warps),
                 **({"PAIRED": paired} if halves else {}))
+
+
+def scheme_args(config, prefix: str = "") -> dict:
+    """A config's ``SCHEME`` and ``LEVELS`` constexprs (named ``prefix + ...``): the id
+    and level count of the scheme its payload is written in (``layout.scheme_for``)."""
+    scheme = layout.scheme_for(config.scheme, config.bits)
+    return {prefix + "SCHEME": scheme.id, prefix + "LEVELS": scheme.levels(config.bits)}
 
 
 @triton.jit

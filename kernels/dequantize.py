@@ -10,8 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from qcomm.layout import effective_scheme_id, levels
-
 from .common import (
     MAXNORM,
     MINMAX,
@@ -20,6 +18,7 @@ from .common import (
     bucket_tile,
     load_unpack,
     nan_where,
+    scheme_args,
     tile_args,
 )
 
@@ -142,9 +141,8 @@ def dequantize(meta: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, confi
         return
     strides = dict(meta_row=meta.stride(0), codes_row=codes.stride(0),
                    out_row=out.stride(0)) if many else dict(meta_row=0, codes_row=0, out_row=0)
-    sid = effective_scheme_id(config.scheme, config.bits)
     _dequantize_kernel[(-(-n // config.bucket_size), out.shape[0] if many else 1)](
-        meta, codes, out, n, SCHEME=sid, LEVELS=levels(sid, config.bits), **strides,
+        meta, codes, out, n, **scheme_args(config), **strides,
         ACCUMULATE=int(accumulate), **tile_args(config, n, out.element_size(), warps=warps),
         enable_fp_fusion=False,  # mn + k * step must round as torch does (no FMA)
     )

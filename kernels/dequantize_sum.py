@@ -13,9 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qcomm.layout import effective_scheme_id, levels
-
-from .common import bucket_tile, tile_args
+from .common import bucket_tile, scheme_args, tile_args
 from .dequantize import decode_tile, store_cast
 
 OPS = {"sum": 0, "avg": 1, "premul": 2}
@@ -68,11 +66,10 @@ def dequantize_sum(meta: torch.Tensor, codes: torch.Tensor, own: torch.Tensor,
     if n == 0:
         return
     rows = meta.shape[0]
-    sid = effective_scheme_id(config.scheme, config.bits)
     _dequantize_sum_kernel[(-(-n // config.bucket_size),)](
         meta, codes, own, out, n, rows=rows, skip=rows if skip is None else skip,
         meta_row=meta.stride(0), codes_row=codes.stride(0), factor=float(factor),
-        SCHEME=sid, LEVELS=levels(sid, config.bits), OP=OPS[op],
+        **scheme_args(config), OP=OPS[op],
         **tile_args(config, n, out.element_size(), warps=warps),
         enable_fp_fusion=False,  # decode and add round as torch does (no FMA)
     )

@@ -15,8 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from qcomm.layout import effective_scheme_id, levels
-
 from .common import (
     MAXNORM,
     MINMAX,
@@ -28,6 +26,7 @@ from .common import (
     plus_zero,
     reciprocal_step,
     round_position,
+    scheme_args,
     tile_args,
 )
 
@@ -153,8 +152,8 @@ def _quantize_kernel(
     R: tl.constexpr,  # elements per tile row (common.row_layout)
     WORD: tl.constexpr,  # how a row's codes are stored (common.row_layout)
     RBLOCK: tl.constexpr,  # next power of 2 >= rows per tile (a bucket, or half of one)
-    SCHEME: tl.constexpr,  # 0 minmax, 1 maxnorm, 2 nuq (effective id)
-    LEVELS: tl.constexpr,  # layout.levels(SCHEME, BITS)
+    SCHEME: tl.constexpr,  # the scheme's id, MINMAX, MAXNORM or NUQ (common.scheme_args)
+    LEVELS: tl.constexpr,  # its level count at BITS (common.scheme_args)
     L2: tl.constexpr,  # scale = L2 norm instead of max |x| (maxnorm, nuq)
     STOCHASTIC: tl.constexpr,  # stochastic rounding, else nearest
     WIDE: tl.constexpr,  # n >= 2^31: int64 element indices
@@ -230,9 +229,8 @@ def quantize(x: torch.Tensor, meta: torch.Tensor, codes: torch.Tensor, config,
         key = 0
     else:  # keys_ptr unread
         strides = dict(keys_ptr=meta, skip=0, x_row=0, meta_row=0, codes_row=0)
-    sid = effective_scheme_id(config.scheme, config.bits)
     _quantize_kernel[(-(-n // config.bucket_size), rows)](
-        x, meta, codes, n, key=key, SCHEME=sid, LEVELS=levels(sid, config.bits), MANY=many,
+        x, meta, codes, n, key=key, **scheme_args(config), MANY=many,
         **strides,
         L2=config.norm == "l2", STOCHASTIC=config.rounding == "stochastic",
         **tile_args(config, n, x.element_size(), halves=True, warps=warps),

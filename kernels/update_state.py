@@ -21,9 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qcomm.layout import effective_scheme_id, levels
-
-from .common import MINMAX, bucket_tile, pack_store, tile_args
+from .common import MINMAX, bucket_tile, pack_store, scheme_args, tile_args
 from .dequantize import code_values, decode_tile, store_cast
 from .quantize import bucket_meta, bucket_stats, tile_codes
 
@@ -107,8 +105,6 @@ def update_state(s_meta: torch.Tensor, s_codes: torch.Tensor, d_meta: torch.Tens
     R, n = out.shape
     if n == 0 or R == 0:
         return
-    sid = effective_scheme_id(state_config.scheme, state_config.bits)
-    dsid = effective_scheme_id(delta_config.scheme, delta_config.bits)
     # the state's tile shape for fp32 values (decoded and requantized in fp32)
     args = tile_args(state_config, n, 4, warps=warps)
     args["WIDE"] = args["WIDE"] or n + delta_config.bucket_size >= 2**31
@@ -116,8 +112,8 @@ def update_state(s_meta: torch.Tensor, s_codes: torch.Tensor, d_meta: torch.Tens
         s_meta, s_codes, d_meta, d_codes, out, n, s_meta_row=s_meta.stride(0),
         s_codes_row=s_codes.stride(0), d_meta_row=d_meta.stride(0),
         d_codes_row=d_codes.stride(0), out_row=out.stride(0),
-        SCHEME=sid, LEVELS=levels(sid, state_config.bits), L2=state_config.norm == "l2",
-        DBITS=delta_config.bits, DB=delta_config.bucket_size, DSCHEME=dsid,
-        DLEVELS=levels(dsid, delta_config.bits), **args,
+        **scheme_args(state_config), L2=state_config.norm == "l2",
+        DBITS=delta_config.bits, DB=delta_config.bucket_size, **scheme_args(delta_config, "D"),
+        **args,
         enable_fp_fusion=False,  # decode, add and quantize round as torch does (no FMA)
     )

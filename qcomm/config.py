@@ -17,20 +17,25 @@ import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, get_args
 
+from . import layout
+from .layout import KINDS  # here too: stats, auto and the docs read qcomm.config.KINDS
+
+# For type checkers, which cannot read a Literal off the table: checked against it below.
 Scheme = Literal["minmax", "maxnorm", "nuq"]
 Norm = Literal["max", "l2"]
 Rounding = Literal["stochastic", "nearest"]
 
-SCHEMES: tuple[str, ...] = ("minmax", "maxnorm", "nuq")
+# The scheme names, in qcomm.layout.SCHEMES' order (the table every path reads).
+SCHEMES: tuple[str, ...] = tuple(s.name for s in layout.SCHEMES)
+if get_args(Scheme) != SCHEMES:
+    raise ValueError(f"qcomm.config.Scheme {get_args(Scheme)} differs from "
+                     f"qcomm.layout.SCHEMES {SCHEMES}")
 NORMS: tuple[str, ...] = ("max", "l2")
 ROUNDINGS: tuple[str, ...] = ("stochastic", "nearest")
 TOPOLOGIES: tuple[str, ...] = ("auto", "flat")
 INTRA_NODE: tuple[str, ...] = ("exact", "compress")
-# The compressed collective kinds: every per-kind setting (CommConfig's fields, the
-# environment's AG/RS/AR prefixes, stats) is keyed by these.
-KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce")
 
 # One Triton program quantizes one whole bucket out of registers, so the bucket is
 # bounded: 32768 fp32 values are 128 KiB, the most that still compiles to a
@@ -283,6 +288,8 @@ def comm_config_from_env(
                 raw = env.get(var, "").strip()
                 if raw:
                     value = _parse_int(env, var, 0) if field_ == "bucket_size" else raw.lower()
+                    if field_ == "scheme":  # an unknown name is QuantConfig's to refuse
+                        value = getattr(layout.SCHEME_BY_ENV.get(value), "name", value)
                     found[field_] = (var, value)
         return found
 

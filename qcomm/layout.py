@@ -64,9 +64,10 @@ dtype, config, collective, op or call index get an error instead of mismatched m
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from .config import KINDS
+import torch
 
 HEADER_NBYTES = 32
 DESC_NBYTES = 48
@@ -75,8 +76,6 @@ MAGIC = b"QC"
 VERSION = 1
 MASK32 = 0xFFFFFFFF
 
-SCHEME_IDS = {"minmax": 0, "maxnorm": 1, "nuq": 2}
-SCHEME_NAMES = {v: k for k, v in SCHEME_IDS.items()}
 DTYPE_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DTYPES = {v: k for k, v in DTYPE_IDS.items()}
 # The one NaN of each float dtype that any path writes (drawn above), as the bits of
@@ -85,24 +84,95 @@ NAN_BITS = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x
 INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
+@dataclass(frozen=True)
+class Scheme:
+    """What every path knows of one quantization scheme besides its arithmetic: the
+    oracle, the torch path, the Triton kernels, the header and the config all read it
+    from :data:`SCHEMES` (the arithmetic, a branch on :attr:`id`, stays in each path)."""
+
+    # QuantConfig.scheme, and what decode_header names the header's id
+    name: str
+    # The header's scheme byte; the torch path's ``sid`` and the kernels' SCHEME constexpr
+    id: int
+    # fp32 words of meta per bucket (drawn above)
+    meta_words: int
+    # L of ``bits``: codes 0 .. L - 1 (nuq: the magnitudes 0 .. M, M = L - 1, beside a
+    # sign bit)
+    levels: Callable[[int], int]
+    # Of L: what the bucket's scale (minmax: max - min) is divided by to get the step
+    divisor: Callable[[int], float]
+    # QCOMM_SCHEME's value that names it (lower case: the environment's value is lowered)
+    env: str
+    # The scheme whose bytes this one writes at 1 bit, None for itself: nuq at 1 bit has
+    # no level bits, only the sign: the {-s, +s} grid of maxnorm at 1 bit
+    one_bit: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("name", "env"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value or value != value.strip().lower():
+                raise ValueError(f"Scheme.{name} must be a non-empty lower-case str, got {value!r}")
+        if isinstance(self.id, bool) or not isinstance(self.id, int) or not 0 <= self.id <= 255:
+            raise ValueError(f"Scheme.id must be an int in 0..255 (the header's byte), got "
+                             f"{self.id!r}")
+        words = self.meta_words
+        if isinstance(words, bool) or not isinstance(words, int) or words < 1:
+            raise ValueError(f"Scheme.meta_words must be an int >= 1, got {words!r}")
+        if not callable(self.levels) or not callable(self.divisor):
+            raise TypeError(f"Scheme {self.name!r}: levels and divisor must be callables")
+        if self.one_bit is not None and not isinstance(self.one_bit, str):
+            raise TypeError(f"Scheme.one_bit must be a scheme's name or None, got {self.one_bit!r}")
+
+
+# The schemes, in QuantConfig's order. A new one is a row here plus its arithmetic in
+# each path (a branch on its id). maxnorm has 2 levels at 1 bit, {-s, +s}, where
+# 2^b - 1 would leave one. nuq's divisor is not read (its step is the scale itself),
+# but the torch path passes one for every scheme.
+MINMAX = Scheme("minmax", id=0, meta_words=2, levels=lambda b: 1 << b,
+                divisor=lambda L: float(L - 1), env="minmax")
+MAXNORM = Scheme("maxnorm", id=1, meta_words=1, levels=lambda b: (1 << b) - 1 if b >= 2 else 2,
+                 divisor=lambda L: (L - 1) / 2.0, env="maxnorm")
+NUQ = Scheme("nuq", id=2, meta_words=1, levels=lambda b: 1 << (b - 1),
+             divisor=lambda L: (L - 1) / 2.0, env="nuq", one_bit="maxnorm")
+SCHEMES: tuple[Scheme, ...] = (MINMAX, MAXNORM, NUQ)
+
+
+def _index(field: str) -> dict:
+    """The schemes by ``field``, which must tell them apart (the header and the
+    environment decode through these)."""
+    by = {getattr(s, field): s for s in SCHEMES}
+    if len(by) != len(SCHEMES):
+        raise ValueError(f"qcomm.layout.SCHEMES: two schemes share a {field}: "
+                         f"{[getattr(s, field) for s in SCHEMES]}")
+    return by
+
+
+SCHEME_BY_NAME: dict[str, Scheme] = _index("name")
+SCHEME_BY_ID: dict[int, Scheme] = _index("id")
+SCHEME_BY_ENV: dict[str, Scheme] = _index("env")
+if any(s.one_bit not in (None, *SCHEME_BY_NAME) for s in SCHEMES):
+    raise ValueError("qcomm.layout.SCHEMES: a one_bit names no scheme: "
+                     f"{[s.one_bit for s in SCHEMES]}")
+
+
+def scheme_for(name: str, bits: int) -> Scheme:
+    """The scheme whose bytes scheme ``name`` writes at ``bits`` (its :attr:`Scheme.one_bit`
+    at 1 bit): every path encodes and decodes by this one; the header names ``name``."""
+    scheme = SCHEME_BY_NAME[name]
+    if bits == 1 and scheme.one_bit is not None:
+        return SCHEME_BY_NAME[scheme.one_bit]
+    return scheme
+
+
+def effective_scheme_id(name: str, bits: int) -> int:
+    """:func:`scheme_for`'s id: what the kernels take as SCHEME and the torch path as ``sid``."""
+    return scheme_for(name, bits).id
+
+
 def levels(scheme_id: int, bits: int) -> int:
-    """Number of representable levels (uniform schemes) or ``M + 1`` magnitudes (nuq)."""
-    if scheme_id == 0:
-        return 1 << bits
-    if scheme_id == 1:
-        return (1 << bits) - 1 if bits >= 2 else 2
-    return 1 << (bits - 1)
-
-
-def meta_words(scheme_id: int) -> int:
-    return 2 if scheme_id == 0 else 1
-
-
-def effective_scheme_id(scheme: str, bits: int) -> int:
-    """nuq at 1 bit has no level bits: it is the {-s, +s} grid of maxnorm."""
-    if scheme == "nuq" and bits == 1:
-        return SCHEME_IDS["maxnorm"]
-    return SCHEME_IDS[scheme]
+    """Number of representable levels (uniform schemes) or ``M + 1`` magnitudes (nuq) of
+    the scheme with id ``scheme_id`` (by id: what the torch path's graphs are keyed by)."""
+    return SCHEME_BY_ID[scheme_id].levels(bits)
 
 
 def num_buckets(numel: int, bucket_size: int) -> int:
@@ -110,8 +180,8 @@ def num_buckets(numel: int, bucket_size: int) -> int:
 
 
 def meta_nbytes(numel: int, config) -> int:
-    sid = effective_scheme_id(config.scheme, config.bits)
-    return 4 * meta_words(sid) * num_buckets(numel, config.bucket_size)
+    words = scheme_for(config.scheme, config.bits).meta_words
+    return 4 * words * num_buckets(numel, config.bucket_size)
 
 
 def codes_nbytes(numel: int, bits: int) -> int:
@@ -128,9 +198,10 @@ def packed_nbytes(numel: int, config) -> int:
 
 def encode_header(numel: int, dtype: torch.dtype, config) -> bytes:
     flags = (1 if config.norm == "l2" else 0) | (2 if config.rounding == "nearest" else 0)
+    scheme = SCHEME_BY_NAME[config.scheme].id  # the config's (nuq at 1 bit says nuq)
     return (
         MAGIC
-        + bytes([VERSION, config.bits, SCHEME_IDS[config.scheme], flags, DTYPE_IDS[dtype], 0])
+        + bytes([VERSION, config.bits, scheme, flags, DTYPE_IDS[dtype], 0])
         + config.bucket_size.to_bytes(4, "little")
         + bytes(4)
         + numel.to_bytes(8, "little")
@@ -146,11 +217,11 @@ def decode_header(header: bytes) -> dict:
         )
     if header[2] != VERSION:
         raise ValueError(f"qcomm payload version {header[2]}, this build reads {VERSION}")
-    if header[4] not in SCHEME_NAMES or header[6] not in DTYPES:
+    if header[4] not in SCHEME_BY_ID or header[6] not in DTYPES:
         raise ValueError(f"corrupt qcomm header: scheme id {header[4]}, dtype id {header[6]}")
     return {
         "bits": header[3],
-        "scheme": SCHEME_NAMES[header[4]],
+        "scheme": SCHEME_BY_ID[header[4]].name,
         "norm": "l2" if header[5] & 1 else "max",
         "rounding": "nearest" if header[5] & 2 else "stochastic",
         "dtype": DTYPES[header[6]],
@@ -159,6 +230,10 @@ def decode_header(header: bytes) -> dict:
     }
 
 
+# The compressed collective kinds: every per-kind setting (CommConfig's fields, the
+# environment's AG/RS/AR prefixes, stats) is keyed by these (qcomm.config takes them
+# from here: this module imports nothing of qcomm's, so config can read SCHEMES).
+KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce")
 # The kind byte: 1, 2, 3 in KINDS' order (a wire format: KINDS only ever grows at its end).
 KIND_IDS = {kind: i + 1 for i, kind in enumerate(KINDS)}
 KIND_NAMES = {v: k for k, v in KIND_IDS.items()}

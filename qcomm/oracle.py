@@ -6,7 +6,7 @@ wire layout (header, meta, bit packing) is :mod:`qcomm.layout`'s; the numbers ar
 exactly), one rounding per operation in the order written, no fused multiply-add.
 
 Per bucket of values ``v`` (``B = bucket_size`` elements; the last may be shorter),
-``L = layout.levels(scheme, bits)``:
+``L = scheme.levels(bits)`` (its row of ``layout.SCHEMES``):
 
 - minmax: ``lo = min(v)``, ``step = (max(v) - lo) / (L - 1)``; meta ``[lo, step]``;
   position ``t = (v - lo) / step``, code ``k`` in ``0 .. L - 1``; decodes to
@@ -20,7 +20,7 @@ Per bucket of values ``v`` (``B = bucket_size`` elements; the last may be shorte
   to a level ``j`` in ``0 .. M`` (``M = L - 1``; level 0 is 0, level j is ``2^-(M-j)``)
   by where ``r`` lies between its two neighbouring levels; code
   ``k = sign << (bits - 1) | j`` with ``sign = v < 0``; decodes to ``+-scale * lvl(j)``.
-  nuq at 1 bit is maxnorm at 1 bit (``layout.effective_scheme_id``).
+  nuq at 1 bit is maxnorm at 1 bit (``layout.scheme_for``).
 
 ``v / step`` is computed as ``(v * s) * inv`` with ``s = BOOST if step < TINY else 1``
 and ``inv = 1 / (step * s)`` (0 when ``step`` is 0): one division per bucket, and no
@@ -60,12 +60,13 @@ from .constants import BOOST, FMIX_C1, FMIX_C2, GOLDEN, GOLDEN_HI, MASK32, TINY,
 from .layout import (
     HEADER_NBYTES,
     INT_OF,
+    MAXNORM,
+    MINMAX,
     NAN_BITS,
-    effective_scheme_id,
+    NUQ,
     encode_header,
-    levels,
-    meta_words,
     packed_nbytes,
+    scheme_for,
 )
 
 F32 = torch.float32
@@ -145,14 +146,14 @@ def nuq_levels(r: torch.Tensor, u: torch.Tensor | None, M: int) -> torch.Tensor:
 def encode_bucket(v: torch.Tensor, u: torch.Tensor | None, config) -> tuple[list, torch.Tensor]:
     """(meta words, int64 codes) of one bucket ``v`` (fp32) with uniforms ``u``."""
     bits = config.bits
-    sid = effective_scheme_id(config.scheme, bits)
-    L = levels(sid, bits)
+    scheme = scheme_for(config.scheme, bits)
+    L = scheme.levels(bits)
     if not torch.isfinite(v).all():
         codes = torch.zeros(v.numel(), dtype=torch.int64)
-        if sid == 2:
+        if scheme is NUQ:
             codes = torch.where(v < 0, 1 << (bits - 1), codes)
-        return [float("nan")] * meta_words(sid), codes
-    if sid == 0:
+        return [float("nan")] * scheme.meta_words, codes
+    if scheme is MINMAX:
         lo, hi = plus_zero(v.min()), plus_zero(v.max())
         step = (hi - lo) / f32(L - 1)
         s, inv = reciprocal(step)
@@ -161,7 +162,7 @@ def encode_bucket(v: torch.Tensor, u: torch.Tensor | None, config) -> tuple[list
         scale = v.double().square().sum().sqrt().to(F32)
     else:
         scale = v.abs().max()
-    if sid == 1:
+    if scheme is MAXNORM:
         c = f32((L - 1) / 2.0)
         step = scale / c
         s, inv = reciprocal(step)
@@ -209,12 +210,13 @@ def quantize(x: torch.Tensor, config, seed: int) -> torch.Tensor:
     return payload
 
 
-def decode_bucket(meta: torch.Tensor, k: torch.Tensor, sid: int, bits: int) -> torch.Tensor:
-    """fp32 values of one bucket's codes ``k`` under its meta words."""
-    L = levels(sid, bits)
-    if sid == 0:
+def decode_bucket(meta: torch.Tensor, k: torch.Tensor, scheme, bits: int) -> torch.Tensor:
+    """fp32 values of one bucket's codes ``k`` under its meta words (``scheme``: a
+    ``layout.Scheme``, the one :func:`layout.scheme_for` gives)."""
+    L = scheme.levels(bits)
+    if scheme is MINMAX:
         return meta[0] + k.to(F32) * meta[1]
-    if sid == 1:
+    if scheme is MAXNORM:
         return (k.to(F32) - (L - 1) / 2.0) * meta[0]
     M = L - 1
     level = torch.tensor([0.0] + [2.0 ** (j - M) for j in range(1, M + 1)], dtype=F32)
@@ -228,13 +230,13 @@ def dequantize(payload: torch.Tensor, config, numel: int,
     payload = payload.cpu()
     assert payload.numel() == packed_nbytes(numel, config), "payload size"
     bits, B = config.bits, config.bucket_size
-    sid = effective_scheme_id(config.scheme, bits)
-    W = meta_words(sid)
+    scheme = scheme_for(config.scheme, bits)
+    W = scheme.meta_words
     nb = -(-numel // B)
     meta_end = HEADER_NBYTES + 4 * W * nb
     meta = payload[HEADER_NBYTES:meta_end].clone().view(F32).reshape(nb, W)
     codes = unpack_codes(payload[meta_end:meta_end + -(-numel // 8) * bits], bits, numel)
-    out = [decode_bucket(meta[i], codes[i * B:(i + 1) * B], sid, bits) for i in range(nb)]
+    out = [decode_bucket(meta[i], codes[i * B:(i + 1) * B], scheme, bits) for i in range(nb)]
     return canonical((torch.cat(out) if out else torch.zeros(0, dtype=F32)).to(dtype))
 
 
@@ -280,8 +282,8 @@ def update_state(state: torch.Tensor, delta: torch.Tensor, numel: int, state_con
     assert state_config.rounding == "nearest", "a state rounds to nearest"
     acc = dequantize(state, state_config, numel) + dequantize(delta, delta_config, numel)
     new = quantize(acc, state_config, seed=0)
-    sid = effective_scheme_id(state_config.scheme, state_config.bits)
-    end = HEADER_NBYTES + 4 * meta_words(sid) * -(-numel // state_config.bucket_size)
+    words = scheme_for(state_config.scheme, state_config.bits).meta_words
+    end = HEADER_NBYTES + 4 * words * -(-numel // state_config.bucket_size)
     meta = new[HEADER_NBYTES:end].view(F32)
     meta.copy_(torch.nan_to_num(meta, nan=0.0, posinf=0.0, neginf=0.0))
     return canonical(acc.to(dtype)), new

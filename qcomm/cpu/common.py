@@ -13,7 +13,7 @@ import itertools
 import torch
 
 from ..constants import FMIX_C1, FMIX_C2, GOLDEN, GOLDEN_HI
-from ..layout import INT_OF, NAN_BITS, levels
+from ..layout import INT_OF, NAN_BITS, SCHEME_BY_ID
 
 
 def _i32(c: int) -> int:
@@ -82,9 +82,10 @@ def uniform(index: torch.Tensor, key: int | torch.Tensor, bucket_size: int) -> t
 
 
 def divisor_for(scheme_id: int, bits: int) -> float:
-    """What the scale is divided by to get the step: ``L - 1`` (minmax), ``c`` (maxnorm)."""
-    L = levels(scheme_id, bits)
-    return float(L - 1) if scheme_id == 0 else (L - 1) / 2.0
+    """What the scale is divided by to get the step (``qcomm.layout.Scheme.divisor``):
+    ``L - 1`` (minmax), ``c`` (maxnorm)."""
+    scheme = SCHEME_BY_ID[scheme_id]
+    return scheme.divisor(scheme.levels(bits))
 
 
 # Calls of the torch path's pieces (each one loop nest or compiled graph: the CPU's

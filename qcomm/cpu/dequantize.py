@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from ..layout import effective_scheme_id, levels, meta_words
+from ..layout import MAXNORM, MINMAX, levels, scheme_for
 from .common import canonical_nans, eager, pieces, row_chunks, store, unpack_codes, write
 
 
@@ -166,13 +166,14 @@ def dequantize_flat(
     if staged is not None and accumulate:
         raise ValueError("dequantize_flat: staged decoding stores; it cannot accumulate")
     B = bucket_size
-    sid = effective_scheme_id(scheme, bits)
+    effective = scheme_for(scheme, bits)
+    sid = effective.id
     if group == "auto":  # (on a GPU, Inductor writes Triton: the 16-lane shapes stay)
         group = lane_group(bits, B, torch.float32 if staged else out.dtype,
                            lanes=None if out.device.type == "cpu" else 16)
     rows = out.dim() == 2 and meta.dim() == 2  # [R, n]: row r decodes payload r
     whole, singles = pieces(out if rows else out.view(-1), meta, codes, bucket_size=B,
-                             bits=bits, words=meta_words(sid))
+                             bits=bits, words=effective.meta_words)
     run_whole = wrap(decode_buckets, group=group, bits=bits, bucket_size=B, sid=sid,
                      accumulate=accumulate)
     # dtype- and accumulate-free: one graph per configuration (_decode_single stores)
@@ -294,9 +295,9 @@ def _decode_buckets(m: torch.Tensor, k: torch.Tensor, *, bits: int, sid: int) ->
     """fp32 values of codes ``k`` [buckets, ..., b] under per-bucket meta ``m``
     [buckets, ..., words] (the middle dimensions broadcast)."""
     L = levels(sid, bits)
-    if sid == 0:
+    if sid == MINMAX.id:
         return m[..., :1] + k.to(torch.float32) * m[..., 1:2]
-    if sid == 1:
+    if sid == MAXNORM.id:
         return (k.to(torch.float32) - (L - 1) / 2.0) * m
     M = L - 1
     j = k & ((1 << (bits - 1)) - 1)
@@ -317,13 +318,15 @@ def dequantize_sum(meta: torch.Tensor, codes: torch.Tensor, own: torch.Tensor,
     one for a partial last bucket; a 16-bit ``out`` on the CPU is summed ``_STAGED``
     elements at a time into fp32 and converted (as :func:`dequantize`)."""
     B, bits = config.bucket_size, config.bits
-    sid = effective_scheme_id(config.scheme, bits)
+    effective = scheme_for(config.scheme, bits)
+    sid = effective.id
     rows = tuple(r for r in range(meta.shape[0]) if r != skip)
     fac = _factor_tensor(float(factor), str(out.device))
     staged = out.dtype != torch.float32 and out.device.type == "cpu"
     group = lane_group(bits, B, torch.float32, lanes=None if out.device.type == "cpu" else 16)
     static = dict(rows=rows, op=op, bits=bits, bucket_size=B, sid=sid)
-    whole, singles = pieces(out, meta, codes, bucket_size=B, bits=bits, words=meta_words(sid))
+    whole, singles = pieces(out, meta, codes, bucket_size=B, bits=bits,
+                             words=effective.meta_words)
     if whole:
         o, m, c = whole
         own_w = own[: o.numel()].view(o.shape)

@@ -10,7 +10,7 @@ import functools
 import torch
 
 from ..constants import BOOST, TINY
-from ..layout import effective_scheme_id, levels, meta_words
+from ..layout import MAXNORM, MINMAX, NUQ, effective_scheme_id, levels, scheme_for
 from .common import (
     divisor_for,
     eager,
@@ -104,8 +104,8 @@ def quantize_flat(
     rows = x.dim() == 2 and meta_out is not None and meta_out.dim() == 2
     n = x.shape[-1] if rows else x.numel()
     B = bucket_size
-    sid = effective_scheme_id(scheme, bits)
-    words = meta_words(sid)
+    effective = scheme_for(scheme, bits)
+    sid, words = effective.id, effective.meta_words
     if divisor is None:
         divisor = torch.tensor(divisor_for(sid, bits), dtype=torch.float32, device=x.device)
     if meta_out is None:
@@ -142,7 +142,7 @@ def quantize_flat(
         # nuq from bf16/fp16 is converted to fp32 first, CONVERT_CHUNK elements at a time
         # (exact): its per-element bitcasts run one lane at a time in Inductor's 16-wide
         # bf16 loop and vectorize in the 8-wide fp32 one (below).
-        via32 = x.dtype != torch.float32 and sid == 2
+        via32 = x.dtype != torch.float32 and sid == NUQ.id
         fp32 = x.dtype == torch.float32 or via32
         direct = fp32 and bits == 8
         # fp32 graphs take the counters' offsets as data (positions); a bf16/fp16 graph
@@ -360,7 +360,7 @@ def bucket_stats(xp, valid, *, sid, bits, l2, divisor):
     # holds a non-finite value, whatever the summation order.
     bad = torch.isnan(bucket_reduce(xp * 0.0, torch.sum))
     offset = level = torch.zeros_like(bad, dtype=torch.float32)
-    if sid == 0:  # minmax
+    if sid == MINMAX.id:
         lo_in = xp if valid is None else torch.where(valid, xp, float("inf"))
         hi_in = xp if valid is None else torch.where(valid, xp, float("-inf"))
         # zeros +0.0 (qcomm.layout): the reductions meet -0.0 and +0.0 in any order
@@ -373,9 +373,9 @@ def bucket_stats(xp, valid, *, sid, bits, l2, divisor):
             scale = scale.to(torch.float32)
         else:
             scale = bucket_reduce(xp.abs(), torch.amax)
-        step = scale / divisor if sid == 1 else scale  # nuq divides |x| by the scale
+        step = scale / divisor if sid == MAXNORM.id else scale  # nuq divides |x| by the scale
         meta = torch.where(bad, nan, step)
-        if sid == 1:
+        if sid == MAXNORM.id:
             level = torch.where(bad, 0.0, divisor)  # maxnorm's c
     # v / step as (v * s) * (1 / (step * s)): one division per bucket, not per element
     # (a division costs the GPU kernel ~10 instructions an element); s is BOOST for
@@ -383,7 +383,7 @@ def bucket_stats(xp, valid, *, sid, bits, l2, divisor):
     # buckets) and in bad ones.
     s = torch.where(step < TINY, BOOST, 1.0)
     inv = torch.where((step > 0) & ~bad, 1.0 / (step * s), 0.0)
-    if sid != 0:
+    if sid != MINMAX.id:
         cat = torch.cat([offset, s, inv, level], dim=-1)
         offset, s, inv, level = (cat[..., i:i + 1] for i in range(4))
     return meta, (offset, s, inv, level)
@@ -434,10 +434,10 @@ def _codes(x, per, u, *, sid, bits):
     to -1 or 0 and was clamped to 0)."""
     L = levels(sid, bits)
     offset, s, inv, level = per
-    if sid == 0:  # minmax: x = min + k * step
+    if sid == MINMAX.id:  # x = min + k * step
         t = ((x - offset) * s) * inv
         return round_position(torch.where(t == t, t, 0.0), u, L - 1)
-    if sid == 1:  # maxnorm: x = (k - c) * step, c = (L - 1) / 2
+    if sid == MAXNORM.id:  # x = (k - c) * step, c = (L - 1) / 2
         t = (x * s) * inv + level
         return round_position(torch.where(t > 0.0, t, 0.0), u, L - 1)
     # nuq: sign bit, level j in 0..M: 0 or 2^-(M - j)
