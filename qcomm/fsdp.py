@@ -66,7 +66,7 @@ from . import collectives as C
 from . import driver
 from .codec import dequantize_rows, quantize_rows, update_state_rows
 from .config import CommConfig, QuantConfig, as_comm_config
-from .layout import HEADER_NBYTES, meta_nbytes, packed_nbytes
+from .layout import meta_words_of, packed_nbytes
 from .pieces import pieces
 from .process_group import QcommProcessGroup, wrap
 
@@ -173,11 +173,10 @@ class PieceState:
         out = self.data[p]
         quantize_rows(rows, self.state, [0] * self.world, out=out, **self.codec)
         a, b = self.parts[p]
-        meta = out[:, HEADER_NBYTES:HEADER_NBYTES + meta_nbytes(b - a, self.state)]
         # a non-finite bucket's meta is NaN (qcomm/layout.py); zero meta decodes to 0
         # in every scheme (its codes are all zero): a few bytes a bucket, not a pass
         # over the elements
-        meta.view(torch.float32).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        meta_words_of(out, b - a, self.state).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
     def update(self, call: driver.Call, p: int, deltas: torch.Tensor, config: QuantConfig,
                out: torch.Tensor) -> None:

@@ -184,6 +184,12 @@ def meta_nbytes(numel: int, config) -> int:
     return 4 * words * num_buckets(numel, config.bucket_size)
 
 
+def meta_words_of(rows: torch.Tensor, numel: int, config) -> torch.Tensor:
+    """The fp32 meta words of payload rows ``rows`` ([R, nbytes] uint8, each ``numel``
+    elements of ``config``), as a view: [R, buckets x meta words]."""
+    return rows[:, HEADER_NBYTES:HEADER_NBYTES + meta_nbytes(numel, config)].view(torch.float32)
+
+
 def codes_nbytes(numel: int, bits: int) -> int:
     return -(-numel // 8) * bits
 
