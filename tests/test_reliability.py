@@ -307,15 +307,15 @@ def _fault_body(rank, world, mode):
     out = torch.empty(world * n)
     qcomm.all_gather_into_tensor(out, make(rank, n), group)  # agreed, in step
     if rank == 0:
-        real, seen = H.check_received, []
+        real, seen = H.Agreement.check_received, []
 
-        def faulty(rows, *args, **kwargs):
+        def faulty(self, rows, *args, **kwargs):
             seen.append(1)
             if len(seen) == 2:
                 raise ValueError("injected: a bad header in piece 1")
-            return real(rows, *args, **kwargs)
+            return real(self, rows, *args, **kwargs)
 
-        H.check_received = faulty
+        H.Agreement.check_received = faulty
     res = {}
     try:
         work = qcomm.all_gather_into_tensor(out, make(rank, n), group,
