@@ -64,14 +64,6 @@ PROBE_SMALL, PROBE_LARGE = 256, 256 << 10
 PROBE_SECONDS = 0.01
 PROBE_SCALE_MAX = 64
 PROBE_REPEATS = 3  # timed calls of each probe after one warm-up; the fastest counts
-# Each timed link probe starts on an idle link: after a pause as long as the call before
-# it took, up to PROBE_GAP_MAX. A token-bucket shaper (tc's tbf, a NIC's burst
-# allowance) refills in the pause, so a probe sees what a call after compute sees, not
-# a link its own back-to-back repeats drained: on a 1 Gbit/s tbf link (a 250 KB
-# burst) a 128 KiB exact all-gather took 0.27 ms after a barrier, and the 256 KiB probe
-# run back to back predicted it at 0.82 ms (`bench collectives --link 1gbit`,
-# 4b8a751). The pauses add at most 3 x 5 probes x 5 ms to a calibration.
-PROBE_GAP_MAX = 0.005
 # Elements a row of the codec's probes (2 rows): a small call (its fixed cost, ~50-200
 # us on CPU) and a large one (its cost an element), a few ms on one core.
 CODEC_SMALL, CODEC_LARGE = 1 << 10, 1 << 17
@@ -305,20 +297,15 @@ def size_class(nbytes: int) -> int:
     return min(nbytes.bit_length() // 2, CLASSES - 1)
 
 
-def _timed(fn, *args, idle: bool = False, **kwargs) -> float:
+def _timed(fn, *args, **kwargs) -> float:
     """The fastest of :data:`PROBE_REPEATS` calls of ``fn(*args, **kwargs)`` after a
-    warm-up (connections; the codec's first call in a process), in seconds; ``idle``:
-    each after a pause as long as the call before it (:data:`PROBE_GAP_MAX`)."""
-    start = time.perf_counter()
+    warm-up (connections; the codec's first call in a process), in seconds."""
     fn(*args, **kwargs)
-    last, best = time.perf_counter() - start, float("inf")
+    best = float("inf")
     for _ in range(PROBE_REPEATS):
-        if idle:
-            time.sleep(min(last, PROBE_GAP_MAX))
         start = time.perf_counter()
         fn(*args, **kwargs)
-        last = time.perf_counter() - start
-        best = min(best, last)
+        best = min(best, time.perf_counter() - start)
     return best
 
 
@@ -338,7 +325,7 @@ class _Probes:
             I.wait(I.start(fn, self.kind, what, rank, group, *args), self.kind, what, rank)
 
         self.bytes += (PROBE_REPEATS + 1) * to_peers
-        return _timed(call, idle=True)
+        return _timed(call)
 
     def payloads(self, group, nbytes: int) -> list[float]:
         """The payloads' all-gather and all-to-all of ``nbytes`` a peer on ``group``."""
