@@ -94,46 +94,24 @@ DECISIONS_MAX = 4096  # cached decisions kept, at most (one small tuple each)
 
 @dataclass(frozen=True)
 class Line:
-    """``latency + bytes * per_byte`` seconds: one inner call, fitted to two sizes; and
-    where a third, larger size was measured, ``per_byte_after`` past ``knee`` bytes (two
-    segments through the three points).
-
-    Why two segments: a link's cost an extra byte need not be one number. A token-bucket
-    shaper (tc's tbf, a cloud NIC's burst allowance) passes a call that fits its burst
-    at line rate and throttles only what comes after: on a 1 Gbit/s tbf link with a
-    1 MB burst, a 64 KiB all-gather took 0.3 ms, where one line through 256 B and the
-    rate of a 10 ms probe predicted ~1 ms, and bits=auto compressed it into 1.3 ms
-    (`bench collectives` at 1 Gbit/s, 35b2be0). Through the measured points, a call
-    between them is interpolated instead of extrapolated."""
+    """``latency + bytes * per_byte`` seconds: one inner call, fitted to two sizes."""
 
     latency: float
     per_byte: float
-    knee: float = float("inf")
-    per_byte_after: float = 0.0
 
     def __call__(self, nbytes: float) -> float:
-        if nbytes <= self.knee:
-            return self.latency + nbytes * self.per_byte
-        return (self.latency + self.knee * self.per_byte
-                + (nbytes - self.knee) * self.per_byte_after)
+        return self.latency + nbytes * self.per_byte
 
     @classmethod
-    def fit(cls, small: tuple[int, float], large: tuple[int, float],
-            larger: tuple[int, float] | None = None) -> Line:
+    def fit(cls, small: tuple[int, float], large: tuple[int, float]) -> Line:
         (b0, t0), (b1, t1) = small, large
         per_byte = max((t1 - t0) / (b1 - b0), 0.0)
-        line = cls(max(t0 - b0 * per_byte, 0.0), per_byte)
-        if larger is None:
-            return line
-        (b2, t2) = larger
-        after = max((t2 - line(b1)) / (b2 - b1), 0.0)
-        return cls(line.latency, per_byte, float(b1), after)
+        return cls(max(t0 - b0 * per_byte, 0.0), per_byte)
 
     @property
     def bandwidth(self) -> float:
-        """Bytes a second of the largest calls (inf for a link too fast to tell)."""
-        slope = self.per_byte_after if self.knee < float("inf") else self.per_byte
-        return 1.0 / slope if slope > 0 else float("inf")
+        """Bytes a second (inf for a link too fast to tell)."""
+        return 1.0 / self.per_byte if self.per_byte > 0 else float("inf")
 
 
 @dataclass
@@ -208,7 +186,7 @@ class Model:
         flat = self.intra_gather is None  # a two-level call never rides
         if flat and envelope_body(n, q) and per_peer <= envelope_cap(self.nodes):
             return codec + self.exchange(DESC_NBYTES + per_peer)
-        transfer = k * wire(per_peer / k)  # k exchanges of a piece's payload each
+        transfer = k * wire.latency + per_peer * wire.per_byte
         return max(codec, transfer) + min(codec, transfer) / k
 
     def _ag(self, n: int, q: QuantConfig, codec) -> float:
@@ -408,14 +386,14 @@ def calibrate(state, kind: str, device: torch.device, configs) -> Model:
     agreed = probes.agree(inner, links + codec)
     m = len(links) // 2
     small, large, codec = agreed[:m], agreed[m:2 * m], agreed[2 * m:]
-    larger = None  # fast: again at the size that takes PROBE_SECONDS (a second segment)
-    if max(large) < PROBE_SECONDS:
+    large_bytes = PROBE_LARGE
+    if max(large) < PROBE_SECONDS:  # fast: again at the size that takes PROBE_SECONDS
         scale = min(PROBE_SECONDS / max(max(large), 1e-6), PROBE_SCALE_MAX)
-        larger_bytes = int(PROBE_LARGE * scale) // 4 * 4
-        larger = [(larger_bytes, t) for t in probes.agree(inner, measure(larger_bytes))]
+        large_bytes = int(PROBE_LARGE * scale) // 4 * 4
+        large = probes.agree(inner, measure(large_bytes))
     state.record_control(kind, probes.bytes)
-    lines = [Line.fit((PROBE_SMALL, s), (PROBE_LARGE, t), larger and larger[i])
-             for i, (s, t) in enumerate(zip(small, large, strict=True))]
+    lines = [Line.fit((PROBE_SMALL, s), (large_bytes, t)) for s, t in zip(small, large,
+                                                                          strict=True)]
     exact = dict(zip(kinds, lines, strict=False))
     level = [lines[len(kinds) + 2 * j: len(kinds) + 2 * j + 2] for j in range(len(levels))]
     return Model(seconds=time.perf_counter() - began, codec_seconds=codec_s,

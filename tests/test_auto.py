@@ -43,28 +43,6 @@ def test_a_slow_link_compresses_large_calls_and_a_fast_one_none(kind):
     assert not medium.decide("all_gather", 1 << 22, torch.bfloat16, Q8)[0]
 
 
-def test_a_line_through_three_sizes_has_two_segments():
-    """Three measured sizes give two segments: a call between the first two is
-    interpolated there, past the second on the third's slope, and the line passes
-    through all three (a tbf link: fast up to its burst, the shaped rate after)."""
-    small, mid, big = (256, 1e-4), (256 << 10, 3e-4), (1 << 24, 0.14)
-    line = Line.fit(small, mid, big)
-    for b, t in (small, mid, big):
-        assert line(b) == pytest.approx(t, rel=1e-9)
-    slope = 2e-4 / ((256 << 10) - 256)
-    assert line(64 << 10) == pytest.approx(1e-4 + ((64 << 10) - 256) * slope)
-    assert line.bandwidth == pytest.approx(((1 << 24) - (256 << 10)) / (0.14 - 3e-4))
-    two = Line.fit(small, big)  # the line of two points predicts the burst's calls slow
-    assert two(64 << 10) > 4 * line(64 << 10)
-    # what auto decides with it: a 64 KiB all-gather exact where the burst passes it,
-    # compressed past the burst
-    model = _model(125e6)
-    model.exact = dict.fromkeys(KINDS, line)
-    model.gather = model.exchange = line
-    assert not model.decide("all_gather", 16 << 10, torch.float32, Q8)[0]
-    assert model.decide("all_gather", 1 << 22, torch.float32, Q8)[0]
-
-
 def test_a_refresh_scales_a_path_by_what_was_observed():
     model = _model(12.5e6)
     numel = 1 << 20
