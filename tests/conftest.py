@@ -1,12 +1,23 @@
-"""Multi-process helpers: run a function on W spawned ranks over gloo or qcomm.
+"""Multi-process helpers: run a function on W ranks over gloo or qcomm.
 
-``run_ranks(fn, world, *args)`` spawns ``world`` processes, initialises the default
-group in each (a FileStore in a fresh temp dir, so no port is needed), calls
-``fn(rank, world, *args)`` and returns the per-rank results in rank order. A rank that
-raises fails the test with its traceback; a run past ``timeout`` seconds is killed
-and fails, so nothing hangs. ``dead`` names ranks expected to die without a result
-(their slot is None); ``pg_timeout`` is the process groups' timeout; ``env`` may be
-one dict for all ranks or a list of one per rank.
+``run_ranks(fn, world, *args)`` runs ``fn(rank, world, *args)`` on ``world`` processes,
+each with the default group initialised (a FileStore in a fresh temp dir, so no port is
+needed), and returns the per-rank results in rank order. A rank that raises fails the
+test with its traceback; a run past ``timeout`` seconds is killed and fails, so nothing
+hangs. ``dead`` names ranks expected to die without a result (their slot is None);
+``pg_timeout`` is the process groups' timeout; ``env`` may be one dict for all ranks or
+a list of one per rank.
+
+The processes are kept between calls (:class:`_Pool`, one set per world size): spawning
+``world`` interpreters that import torch cost ~2.5 s a call at world 2 and ~5.4 s at 4
+on a 2-core Xeon, and the suite's 73 calls spent ~226 s of its 875 s so. Each call runs
+as it would in fresh processes as far as a test can tell: the environment is the
+parent's at the call (plus the call's), and afterwards the worker puts back what the
+call changed in the modules of qcomm, bench and the tests (their globals and their
+classes' attributes: a test that patches ``qcomm.pieces.PIECE`` or a method patches
+only its own call), torch's and Python's random state, and torch's threads. A call that
+fails, times out, or names ``dead`` ranks (or ``fresh=True``) runs in processes of its
+own, and a failure drops the kept ones.
 
 Workers run with ``QCOMM_COMPILE=0`` (the eager codec: ``torch.compile`` costs ~25 s per
 process and config; read into each group's config at its creation, and by direct codec
@@ -21,6 +32,8 @@ from __future__ import annotations
 import io
 import os
 import queue
+import random
+import sys
 import tempfile
 import time
 import traceback
@@ -33,9 +46,12 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT = 120.0
 WORKER_ENV = {"QCOMM_COMPILE": "0", "OMP_NUM_THREADS": "1"}
 os.environ.setdefault("QCOMM_COMPILE", "0")
+# The modules whose state a kept worker puts back after each call (names or prefixes).
+_RESTORED = ("qcomm", "bench", "test_", "conftest", "crossdevice")
 
 
-def _worker(rank, world, store_path, backend, env, fn, args, results, pg_timeout=60.0):
+def _run(rank, world, store_path, backend, env, fn, args, pg_timeout) -> tuple[str, object]:
+    """One call on this rank: ("ok", the result as bytes) or ("error", a traceback)."""
     try:
         # each rank its own node unless the test says otherwise: under the default
         # QCOMM_TOPOLOGY=auto, ranks that share a node (one machine) send exact
@@ -56,67 +72,197 @@ def _worker(rank, world, store_path, backend, env, fn, args, results, pg_timeout
                 dist.destroy_process_group()
         buf = io.BytesIO()  # plain bytes: a tensor through the queue would be a shared
         torch.save(out, buf)  # memory handle that dies with this process
-        results.put((rank, "ok", buf.getvalue()))
+        return "ok", buf.getvalue()
     except BaseException:  # noqa: BLE001 (report everything to the parent)
-        results.put((rank, "error", traceback.format_exc()))
+        return "error", traceback.format_exc()
+
+
+def _worker(rank, world, store_path, backend, env, fn, args, results, pg_timeout=60.0):
+    results.put((None, rank, *_run(rank, world, store_path, backend, env, fn, args,
+                                   pg_timeout)))
+
+
+def _snapshot() -> tuple[list, list]:
+    """The globals of the restored modules and the attributes of their classes; and the
+    contents of their dict, set and list globals (registries a call fills in place:
+    qcomm.purpose's twins, the topology's logged plans)."""
+    saved, contents = [], []
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not name.startswith(_RESTORED):
+            continue
+        names = vars(mod)
+        saved.append((mod, dict(names)))
+        for key, value in list(names.items()):
+            if isinstance(value, type) and value.__module__ == name:
+                saved.append((value, dict(vars(value))))
+            elif type(value) in (dict, set, list) and not key.startswith("__"):
+                contents.append((value, value.copy()))  # (not __builtins__: a dict)
+    return saved, contents
+
+
+def _restore(snapshot: tuple[list, list]) -> None:
+    saved, contents = snapshot
+    for container, before in contents:
+        container.clear()
+        (container.extend if isinstance(container, list) else container.update)(before)
+    for owner, before in saved:
+        now = vars(owner)
+        for key in [k for k in now if k not in before]:
+            if key not in ("__dict__", "__weakref__"):
+                delattr(owner, key) if isinstance(owner, type) else now.pop(key)
+        for key, value in before.items():
+            if now.get(key, _RESTORED) is not value:
+                if isinstance(owner, type):
+                    setattr(owner, key, value)
+                else:
+                    now[key] = value
+
+
+def _kept_worker(rank, world, tasks, results):
+    """A kept rank: runs each task as :func:`_worker` would, then puts back what it
+    changed (module docstring)."""
+    torch.set_num_threads(1)
+    import torch.distributed as dist  # noqa: F401
+
+    import qcomm  # noqa: F401
+
+    threads, switch = torch.get_num_threads(), sys.getswitchinterval()
+    rng, py_rng = torch.random.get_rng_state(), random.getstate()
+    while (task := tasks.get()) is not None:
+        task_id, env, call = task
+        saved = _snapshot()
+        os.environ.clear()
+        os.environ.update(env)
+        try:
+            status, value = _run(rank, world, *call)
+        finally:
+            _restore(saved)
+            torch.set_num_threads(threads)
+            sys.setswitchinterval(switch)
+            torch.random.set_rng_state(rng)
+            random.setstate(py_rng)
+        results.put((task_id, rank, status, value))
+
+
+class _Pool:
+    """``world`` kept ranks (:func:`_kept_worker`) and their queues."""
+
+    def __init__(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        self.procs = [ctx.Process(target=_kept_worker, daemon=True,
+                                  args=(r, world, self.tasks[r], self.results))
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+        self.calls = 0
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+
+
+_pools: dict[int, _Pool] = {}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()
 
 
 def run_ranks(fn, world: int, *args, backend: str = "qcomm", env: dict | list | None = None,
               timeout: float = DEFAULT_TIMEOUT, dead: tuple[int, ...] = (),
-              pg_timeout: float = 60.0):
+              pg_timeout: float = 60.0, fresh: bool = False):
     """Run ``fn(rank, world, *args)`` on ``world`` processes; return results by rank."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     envs = env if isinstance(env, list) else [env] * world
     with tempfile.TemporaryDirectory(prefix="qcomm-test-") as tmp:
         store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, daemon=True,
-                             args=(r, world, store_path, backend, {**WORKER_ENV, **(envs[r] or {})},
-                                   fn, args, results, pg_timeout))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        got: dict[int, object] = {}
-        errors: list[str] = []
-        try:
-            deadline = time.monotonic() + timeout
-            alive = world - len(dead)
-            while len(got) + len(errors) < alive:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    pytest.fail(f"multi-process test timed out after {timeout:.0f} s "
-                                f"(ranks done: {sorted(got)}; errors: {errors})")
-                try:
-                    rank, status, value = results.get(timeout=min(left, 1.0))
-                except queue.Empty:
-                    crashed = [p for r, p in enumerate(procs)
-                               if p.exitcode not in (None, 0) and r not in dead]
-                    if crashed and not errors and len(got) + len(errors) < alive:
-                        # a rank died without reporting (segfault, os._exit)
-                        try:
-                            rank, status, value = results.get(timeout=2.0)
-                        except queue.Empty:
-                            pytest.fail(f"rank process exited with {crashed[0].exitcode} "
-                                        "without a result")
-                    else:
-                        continue
-                if status == "ok":
-                    got[rank] = torch.load(io.BytesIO(value), weights_only=False)
-                else:
-                    errors.append(f"--- rank {rank} ---\n{value}")
-                    break  # peers of a failed rank would wait for it until the timeout
-        finally:
-            for r, p in enumerate(procs):
-                if r in dead and p.is_alive():  # stopped or hung, meant to fail: no grace
-                    p.kill()
+        calls = [(store_path, backend, {**WORKER_ENV, **(envs[r] or {})}, fn, args,
+                  pg_timeout) for r in range(world)]
+        if dead or fresh:
+            ctx = mp.get_context("spawn")
+            results = ctx.Queue()
+            procs = [ctx.Process(target=_worker, daemon=True,
+                                 args=(r, world, *calls[r][:4], calls[r][4], results,
+                                       pg_timeout))
+                     for r in range(world)]
             for p in procs:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
+                p.start()
+            try:
+                return _collect(results, procs, world, None, timeout, dead)
+            finally:
+                for r, p in enumerate(procs):
+                    if r in dead and p.is_alive():  # stopped or hung, meant to fail
+                        p.kill()
+                for p in procs:
                     p.join(timeout=5)
-        if errors:
-            pytest.fail("rank failed:\n" + "\n".join(errors), pytrace=False)
-        return [got.get(r) for r in range(world)]
+                    if p.is_alive():
+                        p.kill()
+                        p.join(timeout=5)
+        pool = _pools.get(world)
+        if pool is None or not pool.alive():
+            if pool is not None:
+                pool.close()
+            pool = _pools[world] = _Pool(world)
+        pool.calls += 1
+        parent = dict(os.environ)
+        for r in range(world):
+            pool.tasks[r].put((pool.calls, parent, calls[r]))
+        ok = False
+        try:
+            got = _collect(pool.results, pool.procs, world, pool.calls, timeout, ())
+            ok = True
+            return got
+        finally:
+            if not ok:  # a rank may be stuck in a collective its failed peer left
+                pool.close()
+                _pools.pop(world, None)
+
+
+def _collect(results, procs, world: int, task_id, timeout: float, dead: tuple[int, ...]):
+    """Every live rank's result of call ``task_id``, in rank order; fails the test on an
+    error, a crash or the timeout."""
+    got: dict[int, object] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout
+    alive = world - len(dead)
+    while len(got) + len(errors) < alive:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            pytest.fail(f"multi-process test timed out after {timeout:.0f} s "
+                        f"(ranks done: {sorted(got)}; errors: {errors})")
+        try:
+            call, rank, status, value = results.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            crashed = [p for r, p in enumerate(procs)
+                       if p.exitcode not in (None, 0) and r not in dead]
+            if crashed and not errors and len(got) + len(errors) < alive:
+                # a rank died without reporting (segfault, os._exit)
+                try:
+                    call, rank, status, value = results.get(timeout=2.0)
+                except queue.Empty:
+                    pytest.fail(f"rank process exited with {crashed[0].exitcode} "
+                                "without a result")
+            else:
+                continue
+        if call != task_id:
+            continue  # not this call's (none are, but a kept worker's queue is long-lived)
+        if status == "ok":
+            got[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        else:
+            errors.append(f"--- rank {rank} ---\n{value}")
+            break  # peers of a failed rank would wait for it until the timeout
+    if errors:
+        pytest.fail("rank failed:\n" + "\n".join(errors), pytrace=False)
+    return [got.get(r) for r in range(world)]
 
 
 def make(rank: int, n: int, dtype: torch.dtype = torch.float32, salt: int = 0, *,

@@ -245,7 +245,9 @@ def test_dtensor_redistribution_is_exact_under_compile():
     frame of DTensor is left when the collective runs) stay bit for bit exact: they
     reach the group's exact twin by name; a compiled functional all-gather on the group
     itself compresses."""
-    for r in run_ranks(_compiled_purpose_body, 2, timeout=240):
+    # processes of its own: what torch.compile leaves behind (compiled graphs that
+    # name this call's groups) would meet a later call's groups (tests/test_hooks.py)
+    for r in run_ranks(_compiled_purpose_body, 2, timeout=240, fresh=True):
         flags = {k: v for k, v in r.items() if k.startswith(("full", "redis"))}
         assert flags and all(flags.values()), r
         assert r["dtensor_compressed"] == 0, r
