@@ -10,14 +10,17 @@ a list of one per rank.
 
 The processes are kept between calls (:class:`_Pool`, one set per world size): spawning
 ``world`` interpreters that import torch cost ~2.5 s a call at world 2 and ~5.4 s at 4
-on a 2-core Xeon, and the suite's 73 calls spent ~226 s of its 875 s so. Each call runs
-as it would in fresh processes as far as a test can tell: the environment is the
-parent's at the call (plus the call's), and afterwards the worker puts back what the
-call changed in the modules of qcomm, bench and the tests (their globals and their
-classes' attributes: a test that patches ``qcomm.pieces.PIECE`` or a method patches
-only its own call), torch's and Python's random state, and torch's threads. A call that
-fails, times out, or names ``dead`` ranks (or ``fresh=True``) runs in processes of its
-own, and a failure drops the kept ones.
+on a 2-core Xeon, and the suite's 73 calls spent ~226 s of its 875 s so. Each call sees
+what fresh processes would of qcomm and the tests: the environment is the parent's at
+the call (plus the call's), and afterwards the worker puts back what the call changed
+in the modules of qcomm, bench and the tests (their globals, the contents of their
+dict, set and list globals, their classes' attributes: a test that patches
+``qcomm.pieces.PIECE`` or a method patches only its own call), torch's and Python's
+random state, and torch's threads. Torch's own state is not put back: a worker whose
+call made a DeviceMesh ends after it (a mesh's state outlives the process group), and
+a call that needs a fresh torch otherwise says ``fresh=True`` (the bodies that
+torch.compile). A call that fails, times out, or names ``dead`` ranks (or
+``fresh=True``) runs in processes of its own, and a failure drops the kept ones.
 
 Workers run with ``QCOMM_COMPILE=0`` (the eager codec: ``torch.compile`` costs ~25 s per
 process and config; read into each group's config at its creation, and by direct codec
@@ -79,7 +82,7 @@ def _run(rank, world, store_path, backend, env, fn, args, pg_timeout) -> tuple[s
 
 def _worker(rank, world, store_path, backend, env, fn, args, results, pg_timeout=60.0):
     results.put((None, rank, *_run(rank, world, store_path, backend, env, fn, args,
-                                   pg_timeout)))
+                                   pg_timeout), True))
 
 
 def _snapshot() -> tuple[list, list]:
@@ -128,6 +131,19 @@ def _kept_worker(rank, world, tasks, results):
 
     threads, switch = torch.get_num_threads(), sys.getswitchinterval()
     rng, py_rng = torch.random.get_rng_state(), random.getstate()
+    # A call that made a DeviceMesh (FSDP2, DTensor, HSDP) leaves torch state that
+    # outlives destroy_process_group: a later call's default mesh was seen to name a
+    # group of the call before it ("Could not resolve the process group registered
+    # under the name 1"). Such a worker ends after its call; the next one is fresh.
+    from torch.distributed import device_mesh
+
+    meshes, real_init = [], device_mesh.DeviceMesh.__init__
+
+    def counted_init(self, *args, **kwargs):
+        meshes.append(1)
+        real_init(self, *args, **kwargs)
+
+    device_mesh.DeviceMesh.__init__ = counted_init
     while (task := tasks.get()) is not None:
         task_id, env, call = task
         saved = _snapshot()
@@ -141,7 +157,9 @@ def _kept_worker(rank, world, tasks, results):
             sys.setswitchinterval(switch)
             torch.random.set_rng_state(rng)
             random.setstate(py_rng)
-        results.put((task_id, rank, status, value))
+        results.put((task_id, rank, status, value, bool(meshes)))  # True: ending
+        if meshes:
+            return
 
 
 class _Pool:
@@ -197,7 +215,7 @@ def run_ranks(fn, world: int, *args, backend: str = "qcomm", env: dict | list | 
             for p in procs:
                 p.start()
             try:
-                return _collect(results, procs, world, None, timeout, dead)
+                return _collect(results, procs, world, None, timeout, dead)[0]
             finally:
                 for r, p in enumerate(procs):
                     if r in dead and p.is_alive():  # stopped or hung, meant to fail
@@ -216,21 +234,25 @@ def run_ranks(fn, world: int, *args, backend: str = "qcomm", env: dict | list | 
         parent = dict(os.environ)
         for r in range(world):
             pool.tasks[r].put((pool.calls, parent, calls[r]))
-        ok = False
+        ending = True
         try:
-            got = _collect(pool.results, pool.procs, world, pool.calls, timeout, ())
-            ok = True
+            got, ending = _collect(pool.results, pool.procs, world, pool.calls, timeout, ())
             return got
         finally:
-            if not ok:  # a rank may be stuck in a collective its failed peer left
+            # failed: a rank may be stuck in a collective its failed peer left; ending:
+            # the workers end after this call (a DeviceMesh), and must not be given
+            # the next one while they exit
+            if ending:
                 pool.close()
                 _pools.pop(world, None)
 
 
-def _collect(results, procs, world: int, task_id, timeout: float, dead: tuple[int, ...]):
-    """Every live rank's result of call ``task_id``, in rank order; fails the test on an
-    error, a crash or the timeout."""
+def _collect(results, procs, world: int, task_id, timeout: float,
+             dead: tuple[int, ...]) -> tuple[list, bool]:
+    """Every live rank's result of call ``task_id``, in rank order, and whether a rank's
+    worker ends after it; fails the test on an error, a crash or the timeout."""
     got: dict[int, object] = {}
+    ending = False
     errors: list[str] = []
     deadline = time.monotonic() + timeout
     alive = world - len(dead)
@@ -240,14 +262,14 @@ def _collect(results, procs, world: int, task_id, timeout: float, dead: tuple[in
             pytest.fail(f"multi-process test timed out after {timeout:.0f} s "
                         f"(ranks done: {sorted(got)}; errors: {errors})")
         try:
-            call, rank, status, value = results.get(timeout=min(left, 1.0))
+            call, rank, status, value, ends = results.get(timeout=min(left, 1.0))
         except queue.Empty:
             crashed = [p for r, p in enumerate(procs)
                        if p.exitcode not in (None, 0) and r not in dead]
             if crashed and not errors and len(got) + len(errors) < alive:
                 # a rank died without reporting (segfault, os._exit)
                 try:
-                    call, rank, status, value = results.get(timeout=2.0)
+                    call, rank, status, value, ends = results.get(timeout=2.0)
                 except queue.Empty:
                     pytest.fail(f"rank process exited with {crashed[0].exitcode} "
                                 "without a result")
@@ -255,6 +277,7 @@ def _collect(results, procs, world: int, task_id, timeout: float, dead: tuple[in
                 continue
         if call != task_id:
             continue  # not this call's (none are, but a kept worker's queue is long-lived)
+        ending |= ends
         if status == "ok":
             got[rank] = torch.load(io.BytesIO(value), weights_only=False)
         else:
@@ -262,7 +285,7 @@ def _collect(results, procs, world: int, task_id, timeout: float, dead: tuple[in
             break  # peers of a failed rank would wait for it until the timeout
     if errors:
         pytest.fail("rank failed:\n" + "\n".join(errors), pytrace=False)
-    return [got.get(r) for r in range(world)]
+    return [got.get(r) for r in range(world)], ending
 
 
 def make(rank: int, n: int, dtype: torch.dtype = torch.float32, salt: int = 0, *,
