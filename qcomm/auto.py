@@ -251,22 +251,21 @@ class Model:
     def describe(self) -> dict:
         """The model's measured inputs and corrections, as plain data
         (:func:`qcomm.auto_model`)."""
-        model = self
-        return {"world": model.world, "nodes": model.nodes, "calibration_s": model.seconds,
-                "link_calibration_s": model.seconds - model.codec_seconds,
+        return {"world": self.world, "nodes": self.nodes, "calibration_s": self.seconds,
+                "link_calibration_s": self.seconds - self.codec_seconds,
                 "exact": {k: {"latency_s": v.latency, "bandwidth_Bps": v.bandwidth}
-                          for k, v in model.exact.items()},
-                "gather": {"latency_s": model.gather.latency,
-                           "bandwidth_Bps": model.gather.bandwidth},
-                "exchange": {"latency_s": model.exchange.latency,
-                             "bandwidth_Bps": model.exchange.bandwidth},
+                          for k, v in self.exact.items()},
+                "gather": {"latency_s": self.gather.latency,
+                           "bandwidth_Bps": self.gather.bandwidth},
+                "exchange": {"latency_s": self.exchange.latency,
+                             "bandwidth_Bps": self.exchange.bandwidth},
                 "codec": {repr(q): {name: {"call_s": line.latency, "element_s": line.per_byte}
                                     for name, line in zip(("quantize", "decode", "decode_sum"),
                                                           v, strict=True)}
-                          for q, v in model.codec.items()},
+                          for q, v in self.codec.items()},
                 "correction": {f"{k}/{'compressed' if p else 'exact'}/"
                                + ("all" if c is None else f"4^{c}B"): v
-                               for (k, p, c), v in sorted(model.correction.items(), key=repr)}}
+                               for (k, p, c), v in sorted(self.correction.items(), key=repr)}}
 
 
 def size_class(nbytes: int) -> int:

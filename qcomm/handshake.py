@@ -106,7 +106,8 @@ def _read_all(store, keys: list[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------
-# 2. At the first collective of a plain or wrapped group
+# 2. At the first collective of a plain or wrapped group: the config's fingerprint
+# (Agreement.agree_config exchanges it)
 
 
 NODE_NBYTES = 192  # a node key's room in the config blob (hostnames are <= 64 bytes)
@@ -122,35 +123,6 @@ def _config_blob(config: CommConfig, node: str) -> bytes:
     text = repr(config.shared()).encode()
     blob = hashlib.sha256(text).hexdigest().encode() + key.ljust(NODE_NBYTES, b"\0") + text
     return blob[:CONFIG_NBYTES].ljust(CONFIG_NBYTES, b"\0")
-
-
-def agree_config(inner, config: CommConfig, kind: str, device: torch.device,
-                 record) -> list[str]:
-    """Every rank of ``inner`` must hold the same :class:`CommConfig`, or ranks would
-    choose differently between compressed and exact calls: one all-gather of a config
-    fingerprint (``record(kind, nbytes)`` counts its bytes), compared with rank 0's so
-    that every rank raises the same words (:class:`Refused`). The same exchange tells
-    every rank each member's node: returns the node keys, in rank order."""
-    world, rank = inner.size(), inner.rank()
-    mine = _config_blob(config, node_key())
-    send = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
-    recv = torch.empty(world * CONFIG_NBYTES, dtype=torch.uint8, device=device)
-    work = I.start(I.all_gather, kind, "the config agreement", rank, inner, recv, send)
-    I.wait(work, kind, "the config agreement", rank)
-    record(kind, (world - 1) * CONFIG_NBYTES)
-    keys = []
-    text = 64 + NODE_NBYTES
-    blobs = [bytes(row) for row in recv.view(world, CONFIG_NBYTES).cpu().tolist()]
-    for peer, theirs in enumerate(blobs):
-        if theirs[:64] != blobs[0][:64]:  # against rank 0's: the same words everywhere
-            said = [b[text:].rstrip(bytes(1)).decode(errors="replace")
-                    for b in (blobs[0], theirs)]
-            raise Refused(
-                f"qcomm config differs between ranks: rank 0 has {said[0]}, rank "
-                f"{peer} has {said[1]} (check the QCOMM_* environment variables, or "
-                "the config given to qcomm.wrap)")
-        keys.append(theirs[64:text].rstrip(bytes(1)).decode(errors="replace"))
-    return keys
 
 
 # ---------------------------------------------------------------------------------
@@ -215,7 +187,8 @@ class DescriptorCheck(Exchange):
 
 
 # ---------------------------------------------------------------------------------
-# 4. Every received payload's header
+# 4. Every received payload's header (Agreement.check_received); and the Agreement,
+# which holds what 2-4 agreed
 
 
 class Agreement:
@@ -239,8 +212,31 @@ class Agreement:
 
     def agree_config(self, inner, config: CommConfig, kind: str, device: torch.device,
                      record) -> list[str]:
-        """:func:`agree_config` once: every member's node key, in rank order."""
-        keys = agree_config(inner, config, kind, device, record)
+        """Every rank of ``inner`` must hold the same :class:`CommConfig`, or ranks would
+        choose differently between compressed and exact calls: one all-gather of a
+        config fingerprint (``record(kind, nbytes)`` counts its bytes), compared with
+        rank 0's so that every rank raises the same words (:class:`Refused`). The same
+        exchange tells every rank each member's node: returns the node keys, in rank
+        order."""
+        world, rank = inner.size(), inner.rank()
+        mine = _config_blob(config, node_key())
+        send = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
+        recv = torch.empty(world * CONFIG_NBYTES, dtype=torch.uint8, device=device)
+        work = I.start(I.all_gather, kind, "the config agreement", rank, inner, recv, send)
+        I.wait(work, kind, "the config agreement", rank)
+        record(kind, (world - 1) * CONFIG_NBYTES)
+        keys = []
+        text = 64 + NODE_NBYTES
+        blobs = [bytes(row) for row in recv.view(world, CONFIG_NBYTES).cpu().tolist()]
+        for peer, theirs in enumerate(blobs):
+            if theirs[:64] != blobs[0][:64]:  # against rank 0's: the same words everywhere
+                said = [b[text:].rstrip(bytes(1)).decode(errors="replace")
+                        for b in (blobs[0], theirs)]
+                raise Refused(
+                    f"qcomm config differs between ranks: rank 0 has {said[0]}, rank "
+                    f"{peer} has {said[1]} (check the QCOMM_* environment variables, or "
+                    "the config given to qcomm.wrap)")
+            keys.append(theirs[64:text].rstrip(bytes(1)).decode(errors="replace"))
         self.config = True
         return keys
 
