@@ -80,11 +80,6 @@ def _run(rank, world, store_path, backend, env, fn, args, pg_timeout) -> tuple[s
         return "error", traceback.format_exc()
 
 
-def _worker(rank, world, store_path, backend, env, fn, args, results, pg_timeout=60.0):
-    results.put((None, rank, *_run(rank, world, store_path, backend, env, fn, args,
-                                   pg_timeout), True))
-
-
 def _snapshot() -> tuple[list, list]:
     """The globals of the restored modules and the attributes of their classes; and the
     contents of their dict, set and list globals (registries a call fills in place:
@@ -110,20 +105,22 @@ def _restore(snapshot: tuple[list, list]) -> None:
         (container.extend if isinstance(container, list) else container.update)(before)
     for owner, before in saved:
         now = vars(owner)
-        for key in [k for k in now if k not in before]:
-            if key not in ("__dict__", "__weakref__"):
-                delattr(owner, key) if isinstance(owner, type) else now.pop(key)
-        for key, value in before.items():
-            if now.get(key, _RESTORED) is not value:
-                if isinstance(owner, type):
-                    setattr(owner, key, value)
-                else:
-                    now[key] = value
+        added = [k for k in now if k not in before and k not in ("__dict__", "__weakref__")]
+        changed = {k: v for k, v in before.items() if k not in now or now[k] is not v}
+        if isinstance(owner, type):  # a class's namespace is read-only: through setattr
+            for key in added:
+                delattr(owner, key)
+            for key, value in changed.items():
+                setattr(owner, key, value)
+        else:
+            for key in added:
+                del now[key]
+            now.update(changed)
 
 
 def _kept_worker(rank, world, tasks, results):
-    """A kept rank: runs each task as :func:`_worker` would, then puts back what it
-    changed (module docstring)."""
+    """A kept rank: runs each task (:func:`_run`), then puts back what it changed
+    (module docstring)."""
     torch.set_num_threads(1)
     import torch.distributed as dist  # noqa: F401
 
@@ -201,50 +198,32 @@ def run_ranks(fn, world: int, *args, backend: str = "qcomm", env: dict | list | 
               pg_timeout: float = 60.0, fresh: bool = False):
     """Run ``fn(rank, world, *args)`` on ``world`` processes; return results by rank."""
     envs = env if isinstance(env, list) else [env] * world
+    own = bool(dead) or fresh  # processes of its own, closed after this call
+    pool = _Pool(world) if own else _pools.get(world)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.close()
+        pool = _pools[world] = _Pool(world)
     with tempfile.TemporaryDirectory(prefix="qcomm-test-") as tmp:
         store_path = os.path.join(tmp, "store")
-        calls = [(store_path, backend, {**WORKER_ENV, **(envs[r] or {})}, fn, args,
-                  pg_timeout) for r in range(world)]
-        if dead or fresh:
-            ctx = mp.get_context("spawn")
-            results = ctx.Queue()
-            procs = [ctx.Process(target=_worker, daemon=True,
-                                 args=(r, world, *calls[r][:4], calls[r][4], results,
-                                       pg_timeout))
-                     for r in range(world)]
-            for p in procs:
-                p.start()
-            try:
-                return _collect(results, procs, world, None, timeout, dead)[0]
-            finally:
-                for r, p in enumerate(procs):
-                    if r in dead and p.is_alive():  # stopped or hung, meant to fail
-                        p.kill()
-                for p in procs:
-                    p.join(timeout=5)
-                    if p.is_alive():
-                        p.kill()
-                        p.join(timeout=5)
-        pool = _pools.get(world)
-        if pool is None or not pool.alive():
-            if pool is not None:
-                pool.close()
-            pool = _pools[world] = _Pool(world)
         pool.calls += 1
         parent = dict(os.environ)
         for r in range(world):
-            pool.tasks[r].put((pool.calls, parent, calls[r]))
+            pool.tasks[r].put((pool.calls, parent, (store_path, backend,
+                                                    {**WORKER_ENV, **(envs[r] or {})}, fn,
+                                                    args, pg_timeout)))
         ending = True
         try:
-            got, ending = _collect(pool.results, pool.procs, world, pool.calls, timeout, ())
+            got, ending = _collect(pool.results, pool.procs, world, pool.calls, timeout, dead)
             return got
         finally:
-            # failed: a rank may be stuck in a collective its failed peer left; ending:
-            # the workers end after this call (a DeviceMesh), and must not be given
-            # the next one while they exit
-            if ending:
+            # own: stopped or hung ranks meant to fail among them; failed: a rank may be
+            # stuck in a collective its failed peer left; ending: the workers end after
+            # this call (a DeviceMesh), and must not be given the next one while they exit
+            if own or ending:
                 pool.close()
-                _pools.pop(world, None)
+                if _pools.get(world) is pool:
+                    del _pools[world]
 
 
 def _collect(results, procs, world: int, task_id, timeout: float,
