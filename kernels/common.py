@@ -127,25 +127,44 @@ def round_position(t, u, TOP: tl.constexpr, STOCHASTIC: tl.constexpr):
     return tl.minimum(tl.maximum(v, 0), TOP)
 
 
-def row_layout(bits: int, elem_size: int) -> tuple[int, int]:
-    """(R, WORD): elements per tile row and how a row's codes are stored.
-
-    Rows span one 16-byte vector of the float side where that packs into whole bytes
-    (4 fp32 elements for 2- and 4-bit codes), else 8 elements (one group: 8 fp16/bf16
-    elements are 16 bytes). WORD = 8: 8-bit codes, one byte each; 1, 2 or 4: the row is
-    one uint8/uint16/uint32 (the codes start 4-byte aligned: qcomm.codec refuses
-    payloads that are not, and the header and fp32 metadata before them are whole
-    words); 0: byte by byte (3, 5, 6 and 7 bits).
+def row_width(bits: int, elem_size: int) -> int:
+    """R: elements per tile row. Rows span one 16-byte vector of the float side where
+    that packs into whole bytes (4 fp32 elements for 2- and 4-bit codes), else 8
+    elements (one group: 8 fp16/bf16 elements are 16 bytes); how a row is stored
+    follows from ``bits`` and R (:func:`row_word`).
 
     Measured on an H200 (``bash bench/device_check.sh``): rows of 4 made fp32 2/4-bit
     quantize 5-9 points of copy bandwidth faster and bf16 4-11 points slower than rows
     of 8, hence the choice by element size.
     """
-    R = 4 if elem_size == 4 and bits in (2, 4) else 8
+    return 4 if elem_size == 4 and bits in (2, 4) else 8
+
+
+# The tile's derived sizes, computed inside the kernels from their BITS, R and a tile's
+# row count (and by the host from the same functions): a launch cannot pass a storage
+# or block size that disagrees with them. Plain arithmetic only: Triton hashes a
+# constexpr function's source into the kernels' cache keys and refuses calls to
+# functions of its own from one.
+@triton.constexpr_function
+def row_word(bits, R):
+    """How a row of R ``bits``-bit codes is stored. 8: 8-bit codes, one byte each; 1, 2
+    or 4: the row is one uint8/uint16/uint32 (the codes start 4-byte aligned: qcomm.codec
+    refuses payloads that are not, and the header and fp32 metadata before them are
+    whole words); 0: byte by byte, a ``bits``-byte group of 8 codes (3, 5, 6 and 7
+    bits, where R is 8)."""
     if bits == 8:
-        return R, 8
-    nbytes = R * bits // 8  # whole: R is 8, or 4 with an even width
-    return (R, nbytes) if nbytes in (1, 2, 4) else (8, 0)
+        return 8
+    nbytes = R * bits // 8
+    return nbytes if nbytes in (1, 2, 4) else 0
+
+
+@triton.constexpr_function
+def block_rows(rows):
+    """A tile's block height: the next power of 2 >= ``rows`` (tl.arange's length)."""
+    block = 1
+    while block < rows:
+        block *= 2
+    return block
 
 
 def tile_args(config, n: int, elem_size: int, halves: bool = False, warps: int = 0) -> dict:
@@ -154,12 +173,10 @@ def tile_args(config, n: int, elem_size: int, halves: bool = False, warps: int =
     per pair of halves, qcomm.oracle's uniforms); PAIRED says whether it is. ``warps``:
     warps per program (:func:`num_warps`; 0: by bucket size)."""
     B = config.bucket_size
-    R, WORD = row_layout(config.bits, elem_size)
-    paired = halves and B % (2 * R) == 0
-    return dict(n_rows=-(-n // 8) * (8 // R), BITS=config.bits, B=B, R=R, WORD=WORD,
-                RBLOCK=triton.next_power_of_2(B // R // (2 if paired else 1)),
+    R = row_width(config.bits, elem_size)
+    return dict(n_rows=-(-n // 8) * (8 // R), BITS=config.bits, B=B, R=R,
                 WIDE=n + B >= 2**31, num_warps=num_warps(B, warps),
-                **({"PAIRED": paired} if halves else {}))
+                **({"PAIRED": B % (2 * R) == 0} if halves else {}))
 
 
 def scheme_args(config, prefix: str = "") -> dict:
@@ -170,19 +187,20 @@ def scheme_args(config, prefix: str = "") -> dict:
 
 
 @triton.jit
-def bucket_tile(n, n_rows, B: tl.constexpr, R: tl.constexpr, RBLOCK: tl.constexpr,
-                WIDE: tl.constexpr, ROWS: tl.constexpr, FIRST: tl.constexpr):
-    """Rows ``[FIRST, FIRST + ROWS)`` of this program's bucket as a [RBLOCK, R] tile:
+def bucket_tile(n, n_rows, B: tl.constexpr, R: tl.constexpr, WIDE: tl.constexpr,
+                ROWS: tl.constexpr, FIRST: tl.constexpr):
+    """Rows ``[FIRST, FIRST + ROWS)`` of this program's bucket as a [block_rows(ROWS), R]
+    tile:
     (bucket, row, rmask, index, valid). The whole bucket is ``ROWS = B // R, FIRST = 0``;
     one half ``ROWS = B // (2 * R)``, ``FIRST`` 0 or that.
 
-    A row packs into whole bytes (row_layout), so packing reduces along rows, inside a
+    A row packs into whole bytes (row_word), so packing reduces along rows, inside a
     thread, instead of across the block. Indices are int64 only when ``WIDE`` (FSDP flat
     buffers can pass 2^31 elements)."""
     bucket = tl.program_id(0)
     if WIDE:
         bucket = bucket.to(tl.int64)
-    r = tl.arange(0, RBLOCK)
+    r = tl.arange(0, block_rows(ROWS))
     row = bucket * (B // R) + FIRST + r  # global row index
     rmask = (r < ROWS) & (row < n_rows)
     index = row[:, None] * R + tl.arange(0, R)[None, :]
@@ -191,13 +209,13 @@ def bucket_tile(n, n_rows, B: tl.constexpr, R: tl.constexpr, RBLOCK: tl.constexp
 
 
 @triton.jit
-def pack_store(codes_ptr, codes, row, rmask, BITS: tl.constexpr, R: tl.constexpr,
-               WORD: tl.constexpr):
+def pack_store(codes_ptr, codes, row, rmask, BITS: tl.constexpr, R: tl.constexpr):
     """Store codes int32 [rows, R] (a row = R consecutive elements) at tile rows ``row``
     where ``rmask``. The code stream's bytes: element i's code at bits [i*b, (i+1)*b).
-    ``R`` and ``WORD`` as :func:`row_layout` chose them; packing a row is a sum along
-    it, inside one thread when the row is one load vector."""
+    ``R`` as :func:`row_width` chose it, stored as :func:`row_word` says; packing a row
+    is a sum along it, inside one thread when the row is one load vector."""
     k = tl.arange(0, R)
+    WORD: tl.constexpr = row_word(BITS, R)
     if WORD == 8:
         tl.store(codes_ptr + row[:, None] * R + k[None, :], codes.to(tl.uint8),
                  mask=rmask[:, None])
@@ -218,10 +236,10 @@ def pack_store(codes_ptr, codes, row, rmask, BITS: tl.constexpr, R: tl.constexpr
 
 
 @triton.jit
-def load_unpack(codes_ptr, row, rmask, BITS: tl.constexpr, R: tl.constexpr,
-                WORD: tl.constexpr):
+def load_unpack(codes_ptr, row, rmask, BITS: tl.constexpr, R: tl.constexpr):
     """Inverse of :func:`pack_store`: int32 codes [rows, R] (0 where not ``rmask``)."""
     k = tl.arange(0, R)
+    WORD: tl.constexpr = row_word(BITS, R)
     if WORD == 8:
         return tl.load(codes_ptr + row[:, None] * R + k[None, :], mask=rmask[:, None],
                        other=0).to(tl.int32)

@@ -56,8 +56,6 @@ def _dequantize_kernel(
     BITS: tl.constexpr,
     B: tl.constexpr,
     R: tl.constexpr,
-    WORD: tl.constexpr,
-    RBLOCK: tl.constexpr,
     SCHEME: tl.constexpr,
     LEVELS: tl.constexpr,
     ACCUMULATE: tl.constexpr,
@@ -70,8 +68,8 @@ def _dequantize_kernel(
     meta_ptr += r * meta_row
     codes_ptr += r * codes_row
     out_ptr += r * out_row
-    bucket, row, rmask, index, valid = bucket_tile(n, n_rows, B, R, RBLOCK, WIDE, B // R, 0)
-    y = decode_tile(meta_ptr, codes_ptr, bucket, row, rmask, BITS, R, WORD, SCHEME, LEVELS)
+    bucket, row, rmask, index, valid = bucket_tile(n, n_rows, B, R, WIDE, B // R, 0)
+    y = decode_tile(meta_ptr, codes_ptr, bucket, row, rmask, BITS, R, SCHEME, LEVELS)
     if ACCUMULATE == 1:
         y = y + tl.load(out_ptr + index, mask=valid, other=0.0)
     elif ACCUMULATE == -1:  # out - decode: what the payload leaves out of out
@@ -95,9 +93,9 @@ def store_cast(out_ptr, index, valid, y):
 
 @triton.jit
 def decode_tile(meta_ptr, codes_ptr, bucket, row, rmask, BITS: tl.constexpr, R: tl.constexpr,
-                WORD: tl.constexpr, SCHEME: tl.constexpr, LEVELS: tl.constexpr):
+                SCHEME: tl.constexpr, LEVELS: tl.constexpr):
     """The fp32 values of this program's bucket tile of one payload."""
-    k = load_unpack(codes_ptr, row, rmask, BITS, R, WORD)
+    k = load_unpack(codes_ptr, row, rmask, BITS, R)
     if SCHEME == MINMAX:
         m0 = tl.load(meta_ptr + bucket * 2)
         m1 = tl.load(meta_ptr + bucket * 2 + 1)

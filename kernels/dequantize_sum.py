@@ -35,20 +35,18 @@ def _dequantize_sum_kernel(
     BITS: tl.constexpr,
     B: tl.constexpr,
     R: tl.constexpr,
-    WORD: tl.constexpr,
-    RBLOCK: tl.constexpr,
     SCHEME: tl.constexpr,
     LEVELS: tl.constexpr,
     OP: tl.constexpr,  # OPS: 0 sum, 1 divide by factor (div_rn), 2 multiply by factor
     WIDE: tl.constexpr,
 ):
-    bucket, row, rmask, index, valid = bucket_tile(n, n_rows, B, R, RBLOCK, WIDE, B // R, 0)
+    bucket, row, rmask, index, valid = bucket_tile(n, n_rows, B, R, WIDE, B // R, 0)
     acc = tl.load(own_ptr + index, mask=valid, other=0.0).to(tl.float32)
     for r in range(0, rows):
         if r != skip:
             r64 = tl.cast(r, tl.int64)
             acc = acc + decode_tile(meta_ptr + r64 * meta_row, codes_ptr + r64 * codes_row,
-                                    bucket, row, rmask, BITS, R, WORD, SCHEME, LEVELS)
+                                    bucket, row, rmask, BITS, R, SCHEME, LEVELS)
     if OP == 1:
         acc = tl.math.div_rn(acc, factor)  # an IEEE division, as torch's
     elif OP == 2:

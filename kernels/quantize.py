@@ -149,9 +149,7 @@ def _quantize_kernel(
     key,  # 32-bit RNG key of this call (qcomm.constants.seed_key)
     BITS: tl.constexpr,  # 1..8
     B: tl.constexpr,  # bucket size, a multiple of 8
-    R: tl.constexpr,  # elements per tile row (common.row_layout)
-    WORD: tl.constexpr,  # how a row's codes are stored (common.row_layout)
-    RBLOCK: tl.constexpr,  # next power of 2 >= rows per tile (a bucket, or half of one)
+    R: tl.constexpr,  # elements per tile row (common.row_width)
     SCHEME: tl.constexpr,  # the scheme's id, MINMAX, MAXNORM or NUQ (common.scheme_args)
     LEVELS: tl.constexpr,  # its level count at BITS (common.scheme_args)
     L2: tl.constexpr,  # scale = L2 norm instead of max |x| (maxnorm, nuq)
@@ -176,8 +174,8 @@ def _quantize_kernel(
     H: tl.constexpr = B // 2
     if PAIRED:
         HR: tl.constexpr = H // R  # rows per half
-        bucket, row, rmask, index, valid = bucket_tile(n, n_rows, B, R, RBLOCK, WIDE, HR, 0)
-        _, row1, rmask1, index1, valid1 = bucket_tile(n, n_rows, B, R, RBLOCK, WIDE, HR, HR)
+        bucket, row, rmask, index, valid = bucket_tile(n, n_rows, B, R, WIDE, HR, 0)
+        _, row1, rmask1, index1, valid1 = bucket_tile(n, n_rows, B, R, WIDE, HR, HR)
         x = tl.load(x_ptr + index, mask=valid, other=0.0).to(tl.float32)
         x1 = tl.load(x_ptr + index1, mask=valid1, other=0.0).to(tl.float32)
         z, a, b = bucket_stats(x, valid, x1, valid1, True, SCHEME, L2)
@@ -190,9 +188,9 @@ def _quantize_kernel(
             u = 0.0  # unused: nearest rounding
             u1 = u
         codes1 = tile_codes(x1, offset, s, inv, bad, u1, BITS, SCHEME, LEVELS, STOCHASTIC)
-        pack_store(codes_ptr, tl.where(valid1, codes1, 0), row1, rmask1, BITS, R, WORD)
+        pack_store(codes_ptr, tl.where(valid1, codes1, 0), row1, rmask1, BITS, R)
     else:
-        bucket, row, rmask, index, valid = bucket_tile(n, n_rows, B, R, RBLOCK, WIDE,
+        bucket, row, rmask, index, valid = bucket_tile(n, n_rows, B, R, WIDE,
                                                        B // R, 0)
         x = tl.load(x_ptr + index, mask=valid, other=0.0).to(tl.float32)
         z, a, b = bucket_stats(x, valid, x, valid, False, SCHEME, L2)
@@ -204,7 +202,7 @@ def _quantize_kernel(
         else:
             u = 0.0  # unused: nearest rounding
     codes = tile_codes(x, offset, s, inv, bad, u, BITS, SCHEME, LEVELS, STOCHASTIC)
-    pack_store(codes_ptr, tl.where(valid, codes, 0), row, rmask, BITS, R, WORD)
+    pack_store(codes_ptr, tl.where(valid, codes, 0), row, rmask, BITS, R)
 
 
 def quantize(x: torch.Tensor, meta: torch.Tensor, codes: torch.Tensor, config,

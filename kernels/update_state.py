@@ -67,8 +67,6 @@ def _update_state_kernel(
     BITS: tl.constexpr,  # the state's configuration, its tile shape (tile_args)
     B: tl.constexpr,
     R: tl.constexpr,
-    WORD: tl.constexpr,
-    RBLOCK: tl.constexpr,
     SCHEME: tl.constexpr,
     LEVELS: tl.constexpr,
     L2: tl.constexpr,
@@ -84,15 +82,15 @@ def _update_state_kernel(
     d_meta_ptr += r * d_meta_row
     d_codes_ptr += r * d_codes_row
     out_ptr += r * out_row
-    bucket, row, rmask, index, valid = bucket_tile(n, n_rows, B, R, RBLOCK, WIDE, B // R, 0)
-    y = decode_tile(s_meta_ptr, s_codes_ptr, bucket, row, rmask, BITS, R, WORD, SCHEME, LEVELS)
+    bucket, row, rmask, index, valid = bucket_tile(n, n_rows, B, R, WIDE, B // R, 0)
+    y = decode_tile(s_meta_ptr, s_codes_ptr, bucket, row, rmask, BITS, R, SCHEME, LEVELS)
     y = y + decode_at(d_meta_ptr, d_codes_ptr, index, valid, DBITS, DB, DSCHEME, DLEVELS)
     y = tl.where(valid, y, 0.0)  # the padding of a partial bucket, as quantize loads it
     store_cast(out_ptr, index, valid, y)
     z, a, b = bucket_stats(y, valid, y, valid, False, SCHEME, L2)
     offset, s, inv, bad = bucket_meta(s_meta_ptr, bucket, z, a, b, SCHEME, LEVELS, L2, True)
     codes = tile_codes(y, offset, s, inv, bad, 0.0, BITS, SCHEME, LEVELS, False)
-    pack_store(s_codes_ptr, tl.where(valid, codes, 0), row, rmask, BITS, R, WORD)
+    pack_store(s_codes_ptr, tl.where(valid, codes, 0), row, rmask, BITS, R)
 
 
 def update_state(s_meta: torch.Tensor, s_codes: torch.Tensor, d_meta: torch.Tensor,

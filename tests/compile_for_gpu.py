@@ -1,8 +1,10 @@
 """Compile qcomm's Triton kernels for a GPU that this machine need not have.
 
-``python tests/compile_for_gpu.py [ARCH]`` (default 90, Hopper) lowers every kernel
-configuration given on the command line's defaults through the installed Triton's
-full pipeline (TTIR, TTGIR, LLVM IR, PTX, cubin) and prints one line per kernel. The
+``python tests/compile_for_gpu.py [ARCH]`` (default 90, Hopper) lowers each kernel of
+every case in :data:`CASES` through the installed Triton's full pipeline (TTIR, TTGIR,
+LLVM IR, PTX, cubin) and prints their sizes; ``--digest`` prints a digest of each
+kernel's PTX instead (source lines left out), to diff before and after a change that
+should leave the GPU code alone; ``--sass`` the instruction counts of one case. The
 Triton interpreter, how CI runs the kernels, skips that pipeline, and it is where
 version differences bite: triton 3.6 (the GPU image's) refused a global written as
 ``X: tl.constexpr = ...`` that triton 3.9 and the interpreter accept. Run in its own
@@ -16,10 +18,11 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     sys.exit("compile_for_gpu.py: unset TRITON_INTERPRET (the interpreter compiles nothing)")
 
 import triton  # noqa: E402
-from qcomm.kernels.common import num_warps, tile_args  # noqa: E402
+from qcomm.kernels.common import num_warps, scheme_args, tile_args  # noqa: E402
 from qcomm.kernels.dequantize import _dequantize_kernel  # noqa: E402
 from qcomm.kernels.dequantize_sum import OPS, _dequantize_sum_kernel  # noqa: E402
 from qcomm.kernels.quantize import _quantize_kernel  # noqa: E402
+from qcomm.kernels.update_state import _update_state_kernel  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -27,7 +30,7 @@ from qcomm.config import QuantConfig  # noqa: E402
 from qcomm.layout import effective_scheme_id, levels  # noqa: E402
 
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-# (scheme, bits, dtype, bucket, l2, stochastic, accumulate): each code path of both kernels
+# (scheme, bits, dtype, bucket, l2, stochastic, accumulate): each code path of the kernels
 CASES = [
     ("minmax", 8, "float32", 1024, False, True, False),
     ("minmax", 4, "bfloat16", 128, False, False, True),
@@ -36,12 +39,16 @@ CASES = [
     ("nuq", 7, "float32", 2048, True, False, True),
     ("minmax", 1, "float32", 64, False, True, False),
 ]
+# update_state's differences: another configuration than any case's state
+DELTA = QuantConfig(bits=4, bucket_size=128, scheme="maxnorm")
 
 
 def compile_case(scheme, bits, dtype, bucket, l2, stochastic, accumulate, arch, warps=None,
                  aligned=False, many=False):
-    """(quantize, dequantize, dequantize_sum) of one case compiled for ``arch``; ``many``:
-    the quantize of payload rows (a launch over a (bucket, row) grid)."""
+    """(quantize, dequantize, dequantize_sum, update_state) of one case compiled for
+    ``arch``; ``many``: the quantize of payload rows (a launch over a (bucket, row)
+    grid). update_state's state is the case's configuration, its differences
+    :data:`DELTA`."""
     target = GPUTarget("cuda", arch, 32)
     sid = effective_scheme_id(scheme, bits)
     config = QuantConfig(bits=bits, bucket_size=bucket, scheme=scheme)
@@ -51,7 +58,7 @@ def compile_case(scheme, bits, dtype, bucket, l2, stochastic, accumulate, arch, 
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)} if aligned else None
     options = dict(num_warps=warps, enable_fp_fusion=False)
 
-    def constexprs(**kw):  # the launchers' tile arguments, without the runtime ones
+    def constexprs(elem=elem, **kw):  # the launchers' tile arguments, not the runtime ones
         args = dict(tile_args(config, 1 << 20, elem, **kw), SCHEME=sid, LEVELS=levels(sid, bits))
         del args["n_rows"], args["num_warps"]
         return args
@@ -74,7 +81,15 @@ def compile_case(scheme, bits, dtype, bucket, l2, stochastic, accumulate, arch, 
                codes_row="i64", factor="fp32", **{k: "constexpr" for k in s})
     ks = triton.compile(ASTSource(_dequantize_sum_kernel, sig, constexprs=s, attrs=attrs),
                         target=target, options=options)
-    return kq, kd, ks
+    u = dict(constexprs(elem=4), L2=l2, DBITS=DELTA.bits, DB=DELTA.bucket_size,
+             **scheme_args(DELTA, "D"))
+    sig = dict(s_meta_ptr="*fp32", s_codes_ptr="*u8", d_meta_ptr="*fp32", d_codes_ptr="*u8",
+               out_ptr="*" + DTYPES[dtype], n="i64", n_rows="i64", s_meta_row="i64",
+               s_codes_row="i64", d_meta_row="i64", d_codes_row="i64", out_row="i64",
+               **{k: "constexpr" for k in u})
+    ku = triton.compile(ASTSource(_update_state_kernel, sig, constexprs=u, attrs=attrs),
+                        target=target, options=options)
+    return kq, kd, ks, ku
 
 
 def sass_count(kernel) -> int:
@@ -98,24 +113,41 @@ def sass_table() -> int:
     kernels (bucket 1024, stochastic) at 1, 2, 4 and 8 warps: the counts the warps
     comment in kernels/common.py quotes."""
     for warps in (1, 2, 4, 8):
-        kq, kd, _ = compile_case("minmax", 8, "float32", 1024, False, True, False, arch=90,
-                                 warps=warps, aligned=True)
+        kq, kd, _, _ = compile_case("minmax", 8, "float32", 1024, False, True, False,
+                                    arch=90, warps=warps, aligned=True)
         per = 1024 / (32 * warps)  # elements per thread
         print(f"{warps} warps: quantize {sass_count(kq) / per:.1f}, "
               f"dequantize {sass_count(kd) / per:.1f} SASS instructions per element")
     return 0
 
 
+def ptx_digest(kernel) -> str:
+    """A kernel's PTX without what names source lines (comments, ``.loc``/``.file``
+    directives, debug sections and their labels), hashed: equal digests before and
+    after a change mean the GPU runs the same code."""
+    import hashlib
+    import re
+
+    ptx = re.sub(r"//.*", "", kernel.asm["ptx"]).split(".section")[0]
+    code = [line for line in ptx.splitlines()
+            if not line.strip().startswith((".loc", ".file", "$L__"))]
+    return hashlib.sha256("\n".join(code).encode()).hexdigest()[:16]
+
+
 def main() -> int:
     if "--sass" in sys.argv:
         return sass_table()
-    arch = int(sys.argv[1]) if len(sys.argv) > 1 else 90
+    digest = "--digest" in sys.argv  # PTX digests, for a diff across a change
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    arch = int(args[0]) if args else 90
     for i, case in enumerate(CASES):  # every other case's quantize over payload rows
-        kq, kd, ks = compile_case(*case, arch=arch, many=i % 2 == 1)
-        print(f"sm_{arch} {case}: quantize{' rows' if i % 2 else ''} cubin "
-              f"{len(kq.asm['cubin'])} B, dequantize cubin {len(kd.asm['cubin'])} B, "
-              f"dequantize_sum cubin {len(ks.asm['cubin'])} B")
-    print(f"triton {triton.__version__}: {3 * len(CASES)} kernels compiled for sm_{arch}")
+        kernels = compile_case(*case, arch=arch, many=i % 2 == 1)
+        sizes = ", ".join(
+            f"{name} {ptx_digest(k) if digest else str(len(k.asm['cubin'])) + ' B'}"
+            for name, k in zip((f"quantize{' rows' if i % 2 else ''}", "dequantize",
+                                "dequantize_sum", "update_state"), kernels, strict=True))
+        print(f"sm_{arch} {case}: {'PTX digests' if digest else 'cubins'} {sizes}")
+    print(f"triton {triton.__version__}: {4 * len(CASES)} kernels compiled for sm_{arch}")
     return 0
 
 

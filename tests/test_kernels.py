@@ -439,4 +439,10 @@ def test_kernels_compile_for_hopper():
     run = subprocess.run([sys.executable, str(script), "90"], env=env, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    assert "18 kernels compiled for sm_90" in run.stdout
+    assert "24 kernels compiled for sm_90" in run.stdout
+    # --digest: one PTX digest a kernel, the same for the same code
+    digests = [subprocess.run([sys.executable, str(script), "90", "--digest"], env=env,
+                              capture_output=True, text=True, timeout=300) for _ in range(2)]
+    assert digests[0].returncode == 0, digests[0].stderr[-4000:]
+    assert digests[0].stdout == digests[1].stdout
+    assert digests[0].stdout.count("PTX digests") == 6
