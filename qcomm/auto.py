@@ -25,17 +25,19 @@ all-reduce MAX), so every rank holds the same model, and a decision is a functio
 that model and the call's (kind, elements, dtype, config) alone, which the ranks agree
 on. A wrong guess costs time, never a hang or mixed bytes.
 
-**Refreshed when observed times drift**: after 16 decided calls of a kind, then 32, 64
-and every :data:`REFRESH` (the same call on every rank), the synchronous calls' observed
-times over their predictions, summed per path and size class (factors of 4 of the
-bytes), are agreed (the slowest rank's, one all-reduce) and, once a class has
-:data:`MIN_OBSERVED` calls on a path, scale that path's predictions for the class (and,
-for classes never observed, the kind's over all classes); decisions are then made
-again. Compression is chosen where it is predicted :data:`MARGIN` faster: near a tie,
-exact. A size class seen on one path only sends its
-next call the other way once, where the two predictions are within 2x, so a path the
-model underrates is seen and corrected. Where the model compresses,
-the call is the fixed setting's (the same config, the same bytes).
+**Refreshed when observed times drift**: after 4 decided calls of a kind, then 8, 16,
+... and every :data:`REFRESH` (the same call on every rank), the synchronous calls'
+observed times over their predictions, summed per path and size class (factors of 4 of
+the bytes), are agreed (the slowest rank's, one all-reduce) and, once a class has
+:data:`MIN_OBSERVED` calls on a path, scale that path's predictions for the class; a
+class never observed on a path keeps the raw model's (what a path does at one size says
+little of another: a shaper's burst speeds small calls only, a call's fixed costs weigh
+on small ones only). Decisions are then made again. Compression is chosen where it is
+predicted :data:`MARGIN` faster: near a tie, exact. A size class observed on one path
+only sends its next :data:`MIN_OBSERVED` calls the other way, where the two predictions
+are within 2x, so a path the model underrates is seen, and corrected at the next
+refresh. Where the model compresses, the call is the fixed setting's (the same config,
+the same bytes).
 
 ``qcomm.stats()`` counts each kind's decided calls each way with the predicted times
 of both paths (``auto_exact``, ``auto_compressed``, ``predicted_exact_s``,
@@ -68,22 +70,26 @@ PROBE_REPEATS = 3  # timed calls of each probe after one warm-up; the fastest co
 # us on CPU) and a large one (its cost an element), a few ms on one core.
 CODEC_SMALL, CODEC_LARGE = 1 << 10, 1 << 17
 # Decided calls of a kind before its first agreed refresh of the model, twice as many
-# before each next one up to REFRESH (the model corrects itself early, then rarely);
-# the furthest one refresh may move a path's predictions (a factor of 4 either way);
-# the size classes corrected apart (factors of 4 of a call's bytes: up to 2^64).
-FIRST_REFRESH = 16
+# before each next one up to REFRESH (the model corrects itself early, then rarely: a
+# refresh is one all-reduce of 1.5 KiB); the furthest one refresh may move a path's
+# predictions (a factor of 4 either way); the size classes corrected apart (factors of
+# 4 of a call's bytes: up to 2^64). Early enough that a size called ~30 times (a
+# benchmark's point) is decided by what it did: corrected after calls 4 and 12, its
+# other path tried in between (measured at 1 Gbit/s: 64 KiB all-gathers then went
+# exact, 0.3 ms, where a first refresh after 16 calls left them compressed, 1.3 ms).
+FIRST_REFRESH = 4
 REFRESH = 128
 CLASSES = 32
-# After a refresh, one call of each size class observed on one path only goes the other
-# way, where the two predictions are within this factor: at most one call a class per
-# refresh (128 calls) runs up to 2x its better prediction, and a path the raw model
-# underrates still gets observed, and corrected (measured: on an unshaped veth the
-# model sent 74% of FSDP2's calls exact, and so kept gloo's step, where 8 bits ran
-# 0.83x of it).
-EXPLORE_WITHIN = 2.0
 # Calls of a size class on a path before their times correct its predictions (fewer
-# wait for the next refresh): one noisy call, an explored one, does not flip a class.
+# wait for the next refresh): one noisy call does not flip a class.
 MIN_OBSERVED = 4
+# After a refresh, a size class observed on one path only sends its next MIN_OBSERVED
+# calls the other way (enough to correct that path at the next refresh), where the two
+# predictions are within this factor: once a class, each such call up to 2x its better
+# prediction; a path the raw model underrates still gets observed, and corrected
+# (measured: on an unshaped veth the model sent 74% of FSDP2's calls exact, and so kept
+# gloo's step, where 8 bits ran 0.83x of it).
+EXPLORE_WITHIN = 2.0
 # Compression must be predicted this much faster than exact to be chosen: near a tie
 # exact costs little and loses nothing, and a class does not flip back and forth on
 # noise (measured on loopback, 2 cores: one run's steps swung by 10-25% seed to seed).
@@ -128,8 +134,7 @@ class Model:
     # per config: quantize, decode and decode-sum, each a Line of (seconds a call,
     # seconds an element: its per_byte) over the elements of one codec call
     codec: dict[QuantConfig, tuple[Line, Line, Line]]
-    # observed over predicted, agreed at refreshes: per (kind, compressed?, size class),
-    # and per (kind, compressed?, None) over all classes, for a class never observed
+    # observed over predicted, agreed at refreshes: per (kind, compressed?, size class)
     correction: dict[tuple, float] = field(default_factory=dict)
     # what measuring this model took (calibrate), on this rank, and of it the codec's
     # calls: their first in a process pays its set-up (a compile, torch._inductor's
@@ -142,16 +147,13 @@ class Model:
     since: dict[str, int] = field(default_factory=dict)
     refreshes: dict[str, int] = field(default_factory=dict)
     observed: dict[tuple, list[float]] = field(default_factory=dict)
-    # (kind, size class) whose next call goes the other way once (refresh)
-    explore: set = field(default_factory=set)
+    # (kind, size class) -> [path, calls left]: its next calls go that way (refresh)
+    explore: dict[tuple, list] = field(default_factory=dict)
 
     def corrected(self, kind: str, compressed: bool, cls: int, seconds: float) -> float:
-        """``seconds`` times the path's agreed correction for the size class (or, never
-        observed, the kind's)."""
-        got = self.correction.get((kind, compressed, cls))
-        if got is None:
-            got = self.correction.get((kind, compressed, None), 1.0)
-        return seconds * got
+        """``seconds`` times the path's agreed correction for the size class (1 where
+        none: the raw model's)."""
+        return seconds * self.correction.get((kind, compressed, cls), 1.0)
 
     def predict(self, kind: str, numel: int, dtype: torch.dtype,
                 q: QuantConfig) -> tuple[float, float]:
@@ -224,12 +226,25 @@ class Model:
             exact, compressed = self.predict(kind, numel, dtype, q)
             got = self.decisions[key] = (compressed * MARGIN < exact, exact, compressed)
         if self.explore:
-            cls = size_class(numel * dtype.itemsize)
-            if (kind, cls) in self.explore:
-                self.explore.discard((kind, cls))
-                compress, exact, compressed = got
-                if max(exact, compressed) < EXPLORE_WITHIN * min(exact, compressed):
-                    return (not compress, exact, compressed)
+            trial = self.explore.get((kind, size_class(numel * dtype.itemsize)))
+            if trial is not None:
+                return self._explored(kind, numel, dtype, trial, got)
+        return got
+
+    def _explored(self, kind: str, numel: int, dtype: torch.dtype, trial: list,
+                  got: tuple[bool, float, float]) -> tuple[bool, float, float]:
+        """A call of a size class being tried on path ``trial[0]`` (:func:`refresh`):
+        sent that way where the two predictions are within :data:`EXPLORE_WITHIN`, one
+        of ``trial[1]`` calls; farther apart, the trial ends."""
+        path, _ = trial
+        compress, exact, compressed = got
+        if max(exact, compressed) >= EXPLORE_WITHIN * min(exact, compressed):
+            trial[1] = 0
+        elif compress is not path:
+            trial[1] -= 1
+            got = (path, exact, compressed)
+        if trial[1] <= 0:
+            del self.explore[(kind, size_class(numel * dtype.itemsize))]
         return got
 
     def observe(self, kind: str, compressed: bool, numel: int, dtype: torch.dtype,
@@ -263,9 +278,8 @@ class Model:
                                     for name, line in zip(("quantize", "decode", "decode_sum"),
                                                           v, strict=True)}
                           for q, v in self.codec.items()},
-                "correction": {f"{k}/{'compressed' if p else 'exact'}/"
-                               + ("all" if c is None else f"4^{c}B"): v
-                               for (k, p, c), v in sorted(self.correction.items(), key=repr)}}
+                "correction": {f"{k}/{'compressed' if p else 'exact'}/4^{c}B": v
+                               for (k, p, c), v in sorted(self.correction.items())}}
 
 
 def size_class(nbytes: int) -> int:
@@ -419,8 +433,9 @@ def refresh(state, model: Model, kind: str, device: torch.device) -> None:
     their count since the class was last corrected, the slowest rank's (one all-reduce
     MAX of a fixed number of values, whatever each rank observed); a class with at least
     :data:`MIN_OBSERVED` calls on a path scales that path's predictions for it by their
-    ratio (at most :data:`MAX_CORRECTION` a refresh), and so, over all such classes, the
-    path's predictions for classes never observed; fewer calls wait for the next refresh."""
+    ratio (at most :data:`MAX_CORRECTION` a refresh); fewer calls wait for the next
+    refresh. A class observed on one path only, its other path never corrected, tries
+    that path for the calls it lacks (:meth:`Model.decide`)."""
     keys = [(kind, path, cls) for path in (False, True) for cls in range(CLASSES)]
     sums = [v for key in keys for v in model.observed.get(key, (0.0, 0.0, 0))]
     probes = _Probes(kind, device)
@@ -432,14 +447,19 @@ def refresh(state, model: Model, kind: str, device: torch.device) -> None:
         model.correction[key] = old * step
 
     seen = {key: t[3 * i: 3 * i + 3] for i, key in enumerate(keys)}
-    # a class seen on one path only: its next call tries the other (where the two
-    # predictions are within EXPLORE_WITHIN), or a path predicted slower than it is
-    # would never be seen, and never corrected
+    # a class seen on one path only: its next calls try the other, as many as it lacks
+    # to be corrected (where the two predictions are within EXPLORE_WITHIN), or a path
+    # predicted slower than it is would never be seen, and never corrected
+    for key in [key for key in model.explore if key[0] == kind]:
+        del model.explore[key]
     for cls in range(CLASSES):
-        if (seen[(kind, False, cls)][2] > 0) != (seen[(kind, True, cls)][2] > 0):
-            model.explore.add((kind, cls))
+        for path in (False, True):
+            known = seen[(kind, path, cls)][2] > 0 or (kind, path, cls) in model.correction
+            other = (kind, not path, cls)
+            lacking = MIN_OBSERVED - int(seen[other][2])
+            if known and other not in model.correction and lacking > 0:
+                model.explore[(kind, cls)] = [not path, lacking]
     for path in (False, True):
-        total = [0.0, 0.0]
         for cls in range(CLASSES):
             observed, predicted, count = seen[(kind, path, cls)]
             if count < MIN_OBSERVED or predicted <= 0:
@@ -450,10 +470,6 @@ def refresh(state, model: Model, kind: str, device: torch.device) -> None:
                 continue
             scale((kind, path, cls), observed, predicted, model.corrected(kind, path, cls, 1.0))
             model.observed.pop((kind, path, cls), None)
-            total[0] += observed
-            total[1] += predicted
-        if total[1] > 0:
-            scale((kind, path, None), *total, model.correction.get((kind, path, None), 1.0))
     model.since[kind] = 1
     model.refreshes[kind] = model.refreshes.get(kind, 0) + 1
     model.decisions.clear()

@@ -44,15 +44,81 @@ def test_a_slow_link_compresses_large_calls_and_a_fast_one_none(kind):
 
 
 def test_a_refresh_scales_a_path_by_what_was_observed():
+    from qcomm.auto import size_class
+
     model = _model(12.5e6)
     numel = 1 << 20
     assert model.decide("all_gather", numel, torch.float32, Q8)[0]
-    _, exact_s, compressed_s = model.decide("all_gather", numel, torch.float32, Q8)
     # compressed calls observed 8x slower than predicted: a refresh moves the prediction
     # 4x (MAX_CORRECTION) at most; two refreshes flip the decision
-    model.correction[("all_gather", True, None)] = 16.0
+    model.correction[("all_gather", True, size_class(numel * 4))] = 16.0
     model.decisions.clear()
     assert not model.decide("all_gather", numel, torch.float32, Q8)[0]
+    # per size class: a call 4x larger (the next class) keeps the raw model's choice
+    assert model.decide("all_gather", numel * 4, torch.float32, Q8)[0]
+
+
+def _refresh_alone(model: Model, monkeypatch) -> None:
+    """:func:`qcomm.auto.refresh` of all_gather on one rank: the agreement returns this
+    rank's sums (a world of one), nothing is sent."""
+    from types import SimpleNamespace
+
+    import qcomm.auto as A
+
+    monkeypatch.setattr(A._Probes, "agree", lambda self, group, times: list(times))
+    state = SimpleNamespace(inner=None, record_control=lambda kind, nbytes: None)
+    A.refresh(state, model, "all_gather", torch.device("cpu"))
+
+
+def _calls(model: Model, numel: int, calls: int, seconds) -> list[bool]:
+    """``calls`` decided all-gathers of ``numel`` fp32 elements a rank, each observed
+    taking ``seconds(compressed?)``; the ways they went."""
+    ways = []
+    for _ in range(calls):
+        compress, exact_s, compressed_s = model.decide("all_gather", numel, torch.float32, Q8)
+        model.observe("all_gather", compress, numel, torch.float32, seconds(compress),
+                      compressed_s if compress else exact_s)
+        ways.append(compress)
+    return ways
+
+
+def test_a_path_never_taken_is_tried_until_it_can_be_corrected(monkeypatch):
+    """A class observed on one path only sends its next MIN_OBSERVED calls the other way
+    (predictions within 2x), enough for the next refresh to correct that path: here
+    exact, predicted 1.5x slower than compressed, runs 4x faster than predicted (a
+    shaper's burst) and the class goes exact; a class never observed keeps the raw
+    model (no correction carried from one size to another)."""
+    from qcomm.auto import MIN_OBSERVED, size_class
+
+    numel = 1 << 14  # 64 KiB
+    model = _model(100e6)
+    compress, exact_s, compressed_s = model.decide("all_gather", numel, torch.float32, Q8)
+    assert compress and 1.1 * compressed_s < exact_s < 2 * compressed_s, (exact_s, compressed_s)
+
+    def real(compress):  # compressed as predicted; exact 4x faster than predicted
+        return compressed_s if compress else exact_s / 4
+
+    assert _calls(model, numel, 4, real) == [True] * 4
+    _refresh_alone(model, monkeypatch)
+    cls = size_class(numel * 4)
+    assert model.correction == {("all_gather", True, cls): pytest.approx(1.0)}
+    assert _calls(model, numel, MIN_OBSERVED + 2, real) == [False] * MIN_OBSERVED + [True] * 2
+    _refresh_alone(model, monkeypatch)
+    assert model.correction[("all_gather", False, cls)] == pytest.approx(0.25)
+    assert _calls(model, numel, 4, real) == [False] * 4
+    assert not model.explore  # both paths known: nothing more to try
+    raw = _model(100e6).decide("all_gather", numel * 16, torch.float32, Q8)
+    assert model.decide("all_gather", numel * 16, torch.float32, Q8) == raw
+
+
+def test_a_trial_is_skipped_where_the_predictions_are_far_apart(monkeypatch):
+    """Compressed predicted far faster than exact (more than 2x): no exact call is tried,
+    however long the class has gone compressed."""
+    model = _model(12.5e6)
+    numel = 1 << 18
+    for _ in range(3):
+        assert _calls(model, numel, 8, lambda compress: 1e-3) == [True] * 8
+        _refresh_alone(model, monkeypatch)
 
 
 def _auto_body(rank, world):
@@ -145,20 +211,3 @@ def test_every_rank_decides_alike_and_compresses_as_the_fixed_setting():
         assert r["calibration_s"] > r["link_s"] > 0, r
     for out0, out1 in zip(r0["outs"], r1["outs"], strict=True):
         assert torch.equal(out0, out1)  # every rank decoded the same bytes
-
-
-def test_a_class_seen_one_way_is_tried_the_other_once():
-    """After a refresh, a size class observed on one path only sends its next call the
-    other way, once, where the predictions are within 2x; farther apart, never."""
-    from qcomm.auto import size_class
-
-    model = _model(400e6)
-    numel = 1 << 18
-    first = model.decide("all_gather", numel, torch.float32, Q8)
-    cls = size_class(numel * 4)
-    model.explore.add(("all_gather", cls))
-    assert model.decide("all_gather", numel, torch.float32, Q8)[0] is not first[0]
-    assert model.decide("all_gather", numel, torch.float32, Q8) == first  # once
-    slow = _model(12.5e6)  # compressed predicted far faster: no trial of exact
-    slow.explore.add(("all_gather", cls))
-    assert slow.decide("all_gather", numel, torch.float32, Q8)[0]
