@@ -27,9 +27,9 @@ on. A wrong guess costs time, never a hang or mixed bytes.
 
 **Refreshed when observed times drift**: after 4 decided calls of a kind, then 8, 16,
 ... and every :data:`REFRESH` (the same call on every rank), the synchronous calls'
-observed times over their predictions, summed per path and size class (factors of 4 of
-the bytes), are agreed (the slowest rank's, one all-reduce) and, once a class has
-:data:`MIN_OBSERVED` calls on a path, scale that path's predictions for the class; a
+observed times over their predictions, their median per path and size class (factors
+of 4 of the bytes), are agreed (the slowest rank's, one all-reduce) and, once a class
+has :data:`MIN_OBSERVED` calls on a path, scale that path's predictions for the class; a
 class never observed on a path keeps the raw model's (what a path does at one size says
 little of another: a shaper's burst speeds small calls only, a call's fixed costs weigh
 on small ones only). Decisions are then made again. Compression is chosen where it is
@@ -46,7 +46,9 @@ of both paths (``auto_exact``, ``auto_compressed``, ``predicted_exact_s``,
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -71,7 +73,7 @@ PROBE_REPEATS = 3  # timed calls of each probe after one warm-up; the fastest co
 CODEC_SMALL, CODEC_LARGE = 1 << 10, 1 << 17
 # Decided calls of a kind before its first agreed refresh of the model, twice as many
 # before each next one up to REFRESH (the model corrects itself early, then rarely: a
-# refresh is one all-reduce of 1.5 KiB); the furthest one refresh may move a path's
+# refresh is one all-reduce of 1 KiB); the furthest one refresh may move a path's
 # predictions (a factor of 4 either way); the size classes corrected apart (factors of
 # 4 of a call's bytes: up to 2^64). Early enough that a size called ~30 times (a
 # benchmark's point) is decided by what it did: corrected after calls 4 and 12, its
@@ -83,6 +85,12 @@ CLASSES = 32
 # Calls of a size class on a path before their times correct its predictions (fewer
 # wait for the next refresh): one noisy call does not flip a class.
 MIN_OBSERVED = 4
+# Observed/predicted ratios kept a class and path, the latest, for their median. The
+# median, not the mean: on 2 busy cores a call that blocks now and then waits a
+# scheduler tick (4 ms at HZ=250) more, whichever its path (plain gloo all-gathers of 64
+# KiB on loopback, 2-core Xeon: median 166 us, mean 433, max 3.8 ms); the mean of 4-16
+# calls followed those ticks and called a 0.25 ms exact path 1.5 ms.
+OBSERVED_MAX = 64
 # After a refresh, a size class observed on one path only sends its next MIN_OBSERVED
 # calls the other way (enough to correct that path at the next refresh), where the two
 # predictions are within this factor: once a class, each such call up to 2x its better
@@ -143,10 +151,12 @@ class Model:
     codec_seconds: float = 0.0
     decisions: dict[tuple, tuple[bool, float, float]] = field(default_factory=dict)
     # per kind: decided calls since the last refresh and refreshes so far; per (kind,
-    # compressed?, size class) the synchronous calls' observed and predicted seconds
+    # compressed?, size class) the synchronous calls' observed over predicted seconds
+    # since the class was last corrected on that path (this rank's; the latest
+    # OBSERVED_MAX), and how many
     since: dict[str, int] = field(default_factory=dict)
     refreshes: dict[str, int] = field(default_factory=dict)
-    observed: dict[tuple, list[float]] = field(default_factory=dict)
+    observed: dict[tuple, tuple[deque, list[int]]] = field(default_factory=dict)
     # (kind, size class) -> [path, calls left]: its next calls go that way (refresh)
     explore: dict[tuple, list] = field(default_factory=dict)
 
@@ -250,11 +260,12 @@ class Model:
     def observe(self, kind: str, compressed: bool, numel: int, dtype: torch.dtype,
                 seconds: float, predicted: float) -> None:
         """A synchronous decided call's time on this rank, beside its prediction."""
-        cls = size_class(numel * dtype.itemsize)
-        seen = self.observed.setdefault((kind, compressed, cls), [0.0, 0.0, 0])
-        seen[0] += seconds
-        seen[1] += predicted
-        seen[2] += 1
+        key = (kind, compressed, size_class(numel * dtype.itemsize))
+        seen = self.observed.get(key)
+        if seen is None:
+            seen = self.observed[key] = (deque(maxlen=OBSERVED_MAX), [0])
+        seen[0].append(seconds / predicted if predicted > 0 else 1.0)
+        seen[1][0] += 1
 
     def due(self, kind: str) -> bool:
         """Count one decided call of ``kind``; whether the model is due a refresh first
@@ -429,24 +440,23 @@ def _codec_lines(times: list[float], i: int, configs: int) -> tuple[Line, Line, 
 
 def refresh(state, model: Model, kind: str, device: torch.device) -> None:
     """The agreed refresh of ``kind`` (collective: every rank at the same decided call).
-    Per path and size class, the synchronous calls' observed and predicted seconds and
-    their count since the class was last corrected, the slowest rank's (one all-reduce
-    MAX of a fixed number of values, whatever each rank observed); a class with at least
-    :data:`MIN_OBSERVED` calls on a path scales that path's predictions for it by their
-    ratio (at most :data:`MAX_CORRECTION` a refresh); fewer calls wait for the next
-    refresh. A class observed on one path only, its other path never corrected, tries
-    that path for the calls it lacks (:meth:`Model.decide`)."""
+    Per path and size class, the median of the synchronous calls' observed over
+    predicted seconds and their count since the class was last corrected on that path,
+    the slowest rank's (one all-reduce MAX of a fixed number of values, whatever each
+    rank observed); a class with at least :data:`MIN_OBSERVED` calls on a path scales
+    that path's predictions for it by that median (at most :data:`MAX_CORRECTION` a
+    refresh); fewer calls wait for the next refresh. A class observed on one path only,
+    its other path never corrected, tries that path for the calls it lacks
+    (:meth:`Model.decide`)."""
     keys = [(kind, path, cls) for path in (False, True) for cls in range(CLASSES)]
-    sums = [v for key in keys for v in model.observed.get(key, (0.0, 0.0, 0))]
+    local = []
+    for key in keys:
+        ratios, count = model.observed.get(key, ((), [0]))
+        local += [statistics.median(ratios) if ratios else 0.0, float(count[0])]
     probes = _Probes(kind, device)
-    t = probes.agree(state.inner, sums)
+    t = probes.agree(state.inner, local)
     state.record_control(kind, probes.bytes)
-
-    def scale(key, observed: float, predicted: float, old: float) -> None:
-        step = min(max(observed / predicted, 1 / MAX_CORRECTION), MAX_CORRECTION)
-        model.correction[key] = old * step
-
-    seen = {key: t[3 * i: 3 * i + 3] for i, key in enumerate(keys)}
+    seen = {key: (t[2 * i], int(t[2 * i + 1])) for i, key in enumerate(keys)}
     # a class seen on one path only: its next calls try the other, as many as it lacks
     # to be corrected (where the two predictions are within EXPLORE_WITHIN), or a path
     # predicted slower than it is would never be seen, and never corrected
@@ -454,22 +464,17 @@ def refresh(state, model: Model, kind: str, device: torch.device) -> None:
         del model.explore[key]
     for cls in range(CLASSES):
         for path in (False, True):
-            known = seen[(kind, path, cls)][2] > 0 or (kind, path, cls) in model.correction
+            known = seen[(kind, path, cls)][1] > 0 or (kind, path, cls) in model.correction
             other = (kind, not path, cls)
-            lacking = MIN_OBSERVED - int(seen[other][2])
+            lacking = MIN_OBSERVED - seen[other][1]
             if known and other not in model.correction and lacking > 0:
                 model.explore[(kind, cls)] = [not path, lacking]
-    for path in (False, True):
-        for cls in range(CLASSES):
-            observed, predicted, count = seen[(kind, path, cls)]
-            if count < MIN_OBSERVED or predicted <= 0:
-                # too few calls to judge the class by: kept for the next refresh (the
-                # same sums on every rank: the agreed ones)
-                if count:
-                    model.observed[(kind, path, cls)] = [observed, predicted, int(count)]
-                continue
-            scale((kind, path, cls), observed, predicted, model.corrected(kind, path, cls, 1.0))
-            model.observed.pop((kind, path, cls), None)
+    for key in keys:
+        ratio, count = seen[key]
+        if count >= MIN_OBSERVED and ratio > 0:  # fewer: kept for the next refresh
+            step = min(max(ratio, 1 / MAX_CORRECTION), MAX_CORRECTION)
+            model.correction[key] = model.correction.get(key, 1.0) * step
+            model.observed.pop(key, None)
     model.since[kind] = 1
     model.refreshes[kind] = model.refreshes.get(kind, 0) + 1
     model.decisions.clear()

@@ -86,8 +86,9 @@ def test_a_path_never_taken_is_tried_until_it_can_be_corrected(monkeypatch):
     """A class observed on one path only sends its next MIN_OBSERVED calls the other way
     (predictions within 2x), enough for the next refresh to correct that path: here
     exact, predicted 1.5x slower than compressed, runs 4x faster than predicted (a
-    shaper's burst) and the class goes exact; a class never observed keeps the raw
-    model (no correction carried from one size to another)."""
+    shaper's burst; one call in four 10x slower, a scheduler tick: the median's) and the
+    class goes exact; a class never observed keeps the raw model (no correction carried
+    from one size to another)."""
     from qcomm.auto import MIN_OBSERVED, size_class
 
     numel = 1 << 14  # 64 KiB
@@ -95,8 +96,13 @@ def test_a_path_never_taken_is_tried_until_it_can_be_corrected(monkeypatch):
     compress, exact_s, compressed_s = model.decide("all_gather", numel, torch.float32, Q8)
     assert compress and 1.1 * compressed_s < exact_s < 2 * compressed_s, (exact_s, compressed_s)
 
-    def real(compress):  # compressed as predicted; exact 4x faster than predicted
-        return compressed_s if compress else exact_s / 4
+    exact_calls = []
+
+    def real(compress):  # compressed as predicted; exact 4x faster, but every 4th call
+        if compress:
+            return compressed_s
+        exact_calls.append(1)
+        return exact_s * (10 if len(exact_calls) % 4 == 2 else 0.25)
 
     assert _calls(model, numel, 4, real) == [True] * 4
     _refresh_alone(model, monkeypatch)
