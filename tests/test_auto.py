@@ -86,8 +86,8 @@ def test_a_path_never_taken_is_tried_until_it_can_be_corrected(monkeypatch):
     """A class observed on one path only sends its next MIN_OBSERVED calls the other way
     (predictions within 2x), enough for the next refresh to correct that path: here
     exact, predicted 1.5x slower than compressed, runs 4x faster than predicted (a
-    shaper's burst; one call in four 10x slower, a scheduler tick: the median's) and the
-    class goes exact; a class never observed keeps the raw model (no correction carried
+    shaper's burst; its first call, set-up, and one of the next four, a scheduler tick,
+    10x slower: not observed, and the median's) and the class goes exact; a class never observed keeps the raw model (no correction carried
     from one size to another)."""
     from qcomm.auto import MIN_OBSERVED, size_class
 
@@ -98,17 +98,18 @@ def test_a_path_never_taken_is_tried_until_it_can_be_corrected(monkeypatch):
 
     exact_calls = []
 
-    def real(compress):  # compressed as predicted; exact 4x faster, but every 4th call
-        if compress:
+    def real(compress):  # compressed as predicted; exact 4x faster, but the first (its
+        if compress:      # set-up) and one of the next four take 10x longer
             return compressed_s
         exact_calls.append(1)
-        return exact_s * (10 if len(exact_calls) % 4 == 2 else 0.25)
+        return exact_s * (10 if len(exact_calls) in (1, 3) else 0.25)
 
-    assert _calls(model, numel, 4, real) == [True] * 4
+    assert _calls(model, numel, 5, real) == [True] * 5  # the first one is not observed
     _refresh_alone(model, monkeypatch)
     cls = size_class(numel * 4)
     assert model.correction == {("all_gather", True, cls): pytest.approx(1.0)}
-    assert _calls(model, numel, MIN_OBSERVED + 2, real) == [False] * MIN_OBSERVED + [True] * 2
+    tried = MIN_OBSERVED + 1  # exact's first call, not observed, and the 4 observed
+    assert _calls(model, numel, tried + 2, real) == [False] * tried + [True] * 2
     _refresh_alone(model, monkeypatch)
     assert model.correction[("all_gather", False, cls)] == pytest.approx(0.25)
     assert _calls(model, numel, 4, real) == [False] * 4
