@@ -87,8 +87,8 @@ def test_a_path_never_taken_is_tried_until_it_can_be_corrected(monkeypatch):
     (predictions within 2x), enough for the next refresh to correct that path: here
     exact, predicted 1.5x slower than compressed, runs 4x faster than predicted (a
     shaper's burst; its first call, set-up, and one of the next four, a scheduler tick,
-    10x slower: not observed, and the median's) and the class goes exact; a class never observed keeps the raw model (no correction carried
-    from one size to another)."""
+    10x slower: not observed, and the median's) and the class goes exact; a class
+    never observed keeps the raw model (no correction carried from one size to another)."""
     from qcomm.auto import MIN_OBSERVED, size_class
 
     numel = 1 << 14  # 64 KiB
