@@ -13,6 +13,8 @@
     python -m bench breakeven                   # W ranks simulated: codec calls, launches,
                                                 # and where compression pays
     python -m bench soak                        # 10,000 mixed collectives, every result checked
+    python -m bench auto-choices                # bits=auto's choices on an H200, from its
+                                                # measured codec costs
     python -m bench report                      # docs/results.md and README's results
 
 Nodes (qcomm's topology): every self-launched rank is told its node (QCOMM_NODE);
@@ -33,6 +35,7 @@ import sys
 import torch
 
 from . import (
+    auto_choices,
     breakeven,
     codec,
     collectives,
@@ -50,16 +53,20 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     for name, module in (("codec", codec), ("collectives", collectives), ("train", train),
-                         ("memory", memory), ("breakeven", breakeven), ("soak", soak)):
+                         ("memory", memory), ("breakeven", breakeven), ("soak", soak),
+                         ("auto-choices", auto_choices)):
         summary = " ".join(module.__doc__.split("\n\n")[0].split()).split(": ", 1)[-1]
         q = sub.add_parser(name, help=summary,
                            description=module.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(q, on_gpu)
+        q.set_defaults(main=module.main)
+        if module is auto_choices:  # prints a table: no files, no plots
+            q.set_defaults(no_plot=True)
+            continue
         q.add_argument("--out", default=None,
                        help="results folder (default bench/results/<machine>/)")
         q.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
-        q.set_defaults(main=module.main)
     q = sub.add_parser("report", help="regenerate docs/results.md and README's results lines",
                        description=report.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)

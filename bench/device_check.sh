@@ -231,7 +231,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench import breakeven, codec
+from bench import auto_choices, breakeven, codec
 
 results, device = Path(sys.argv[1]), sys.argv[2]
 
@@ -247,7 +247,8 @@ def load(path):
 rows, header = load(results / "breakeven" / f"breakeven-{device}.json")
 lines = (codec.target_lines(load(results / "codec-fp32" / "codec.json")[0], ["float32"])
          + codec.target_lines(load(results / "codec-half" / "codec.json")[0], ["bfloat16"])
-         + breakeven.target_lines(rows, header.get("exact_path", [])))
+         + breakeven.target_lines(rows, header.get("exact_path", []))
+         + auto_choices.target_lines(load(results / "codec-fp32" / "codec.json")[0]))
 print("\n".join(lines))
 PYEOF
 }

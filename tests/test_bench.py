@@ -231,6 +231,29 @@ def test_breakeven_target_lines():
     assert lines[5].endswith(": NOT met") and "+30.0 us" in lines[5]
 
 
+def test_auto_choices_are_the_table_design_md_shows(capsys):
+    """``python -m bench auto-choices`` on the committed H200 codec results prints the
+    table of docs/design.md, line for line; its device-check target is met on them, and
+    not met (naming each choice that moved) on a codec 8x slower."""
+    from pathlib import Path
+
+    from bench import auto_choices
+
+    assert main(["auto-choices"]) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    design = (Path(__file__).parents[1] / "docs" / "design.md").read_text().splitlines()
+    assert printed and all(line in design for line in printed), printed
+    rows = json.loads(auto_choices.DEFAULT_CODEC.read_text())["rows"]
+    assert auto_choices.target_lines(rows)[-1].endswith("24 of 24 as predicted; target: "
+                                                       "the choices predicted from the "
+                                                       "2026-12-04 lease: met")
+    slow = auto_choices.target_lines([dict(r, triton_us=r["triton_us"] * 8) for r in rows])
+    assert slow[-1].endswith(": NOT met") and "NVLink W=8 all_gather fp32 2^24: exact" in slow[-1]
+    assert auto_choices.target_lines([])[-1].endswith("not measured; target: the choices "
+                                                      "predicted from the 2026-12-04 lease: "
+                                                      "NOT met")
+
+
 def test_memory_names_a_variant_that_compressed_nothing_and_keeps_the_rest(tmp_path,
                                                                             monkeypatch,
                                                                             capsys):

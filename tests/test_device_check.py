@@ -177,7 +177,8 @@ def test_a_cut_benchmark_leaves_its_files_and_verdict(phases):
     assert sweep["points_measured"] == len(data["rows"]) + len(data["header"]["exact_path"])
     assert "breakeven.log" in files and "verdicts/breakeven.txt" in files
     targets = [line for line in summary.splitlines() if line.startswith("TARGET ")]
-    assert len(targets) == 1 + 12 + 3 + 3, targets  # pytest, codec, break-even, exact path
+    # pytest, codec, break-even, exact path, auto's choices
+    assert len(targets) == 1 + 12 + 3 + 3 + 1, targets
     assert all(line.endswith((": met", ": NOT met")) for line in targets), targets
     assert "TARGET break-even all_gather, W = 8, 2^24 elements, 8 bits: not measured" in summary
 
