@@ -576,6 +576,11 @@ def resolve(args) -> str | None:
     if args.config is None:
         args.config = [parse_config(c) for c in (NODE_CONFIGS if args.node_of_rank
                                                  else CONFIGS)]
+    uneven = [n for n in args.sizes if n % args.world]
+    if uneven and set(args.collectives) & {"all_gather", "reduce_scatter"}:
+        # a shard each: gloo refuses the call from inside a rank otherwise
+        return (f"--sizes {', '.join(map(str, uneven))}: the full buffer must split into "
+                f"{args.world} equal shards (a multiple of --world {args.world})")
     return None
 
 

@@ -72,6 +72,15 @@ def test_parse_rate():
             link.parse_rate(bad)
 
 
+def test_sizes_that_do_not_split_into_shards_are_refused(capsys):
+    assert main(["collectives", "--sizes", "15,16", "--world", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--sizes 15: the full buffer must split into 2 equal shards" in err, err
+    # an all-reduce has no shards: any size
+    assert collectives.resolve(parser().parse_args(
+        ["collectives", "--sizes", "15", "--collectives", "all_reduce"])) is None
+
+
 def test_bad_flag_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["collectives", "--link", "fast"])
