@@ -141,10 +141,10 @@ def row_width(bits: int, elem_size: int) -> int:
 
 
 # The tile's derived sizes, computed inside the kernels from their BITS, R and a tile's
-# row count (and by the host from the same functions): a launch cannot pass a storage
-# or block size that disagrees with them. Plain arithmetic only: Triton hashes a
-# constexpr function's source into the kernels' cache keys and refuses calls to
-# functions of its own from one.
+# row count: a launch cannot pass a storage or block size that disagrees with them.
+# Plain arithmetic only: Triton hashes a constexpr function's source into the kernels'
+# cache keys and refuses calls to functions of its own from one. Bind a result as
+# ``X: tl.constexpr = f(...)``: unannotated, ``if X == ...`` compiles both branches.
 @triton.constexpr_function
 def row_word(bits, R):
     """How a row of R ``bits``-bit codes is stored. 8: 8-bit codes, one byte each; 1, 2
