@@ -76,9 +76,9 @@ CODEC_SMALL, CODEC_LARGE = 1 << 10, 1 << 17
 # refresh is one all-reduce of 1 KiB); the furthest one refresh may move a path's
 # predictions (a factor of 4 either way); the size classes corrected apart (factors of
 # 4 of a call's bytes: up to 2^64). Early enough that a size called ~30 times (a
-# benchmark's point) is decided by what it did: corrected after calls 4 and 12, its
-# other path tried in between (measured at 1 Gbit/s: 64 KiB all-gathers then went
-# exact, 0.3 ms, where a first refresh after 16 calls left them compressed, 1.3 ms).
+# benchmark's point) is decided by what it did: its other path tried from call 5, both
+# corrected after call 12 (measured at 1 Gbit/s: 64 KiB all-gathers then went exact,
+# 0.3 ms, where a first refresh after 16 calls left them compressed, 1.3 ms).
 FIRST_REFRESH = 4
 REFRESH = 128
 CLASSES = 32
