@@ -53,20 +53,22 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     for name, module in (("codec", codec), ("collectives", collectives), ("train", train),
-                         ("memory", memory), ("breakeven", breakeven), ("soak", soak),
-                         ("auto-choices", auto_choices)):
+                         ("memory", memory), ("breakeven", breakeven), ("soak", soak)):
         summary = " ".join(module.__doc__.split("\n\n")[0].split()).split(": ", 1)[-1]
         q = sub.add_parser(name, help=summary,
                            description=module.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(q, on_gpu)
-        q.set_defaults(main=module.main)
-        if module is auto_choices:  # prints a table: no files, no plots
-            q.set_defaults(no_plot=True)
-            continue
         q.add_argument("--out", default=None,
                        help="results folder (default bench/results/<machine>/)")
         q.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
+        q.set_defaults(main=module.main)
+    # prints a table: no files, no plots
+    q = sub.add_parser("auto-choices", help="bits=auto's choices on an H200, from its codec",
+                       description=auto_choices.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    auto_choices.add_arguments(q)
+    q.set_defaults(main=auto_choices.main, no_plot=True)
     q = sub.add_parser("report", help="regenerate docs/results.md and README's results lines",
                        description=report.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)

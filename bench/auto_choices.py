@@ -109,7 +109,7 @@ def target_lines(rows: list[dict]) -> list[str]:
         common.target_line(name, want, shown, not differ)]
 
 
-def add_arguments(p, on_gpu: bool) -> None:
+def add_arguments(p) -> None:
     p.add_argument("--codec", default=str(DEFAULT_CODEC),
                    help="a python -m bench codec results JSON with Triton fp32 rows "
                         "(default: the H200 lease's)")

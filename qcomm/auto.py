@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -85,12 +84,11 @@ CLASSES = 32
 # Calls of a size class on a path before their times correct its predictions (fewer
 # wait for the next refresh): one noisy call does not flip a class.
 MIN_OBSERVED = 4
-# Observed/predicted ratios kept a class and path, the latest, for their median. The
-# median, not the mean: on 2 busy cores a call that blocks now and then waits a
-# scheduler tick (4 ms at HZ=250) more, whichever its path (plain gloo all-gathers of 64
-# KiB on loopback, 2-core Xeon: median 166 us, mean 433, max 3.8 ms); the mean of 4-16
-# calls followed those ticks and called a 0.25 ms exact path 1.5 ms.
-OBSERVED_MAX = 64
+# A class's correction is the median of its calls' observed/predicted ratios, not the
+# mean: on 2 busy cores a call that blocks now and then waits a scheduler tick (4 ms at
+# HZ=250) more, whichever its path (plain gloo all-gathers of 64 KiB on loopback, 2-core
+# Xeon: median 166 us, mean 433, max 3.8 ms); the mean of 4-16 calls followed those
+# ticks and called a 0.25 ms exact path 1.5 ms.
 # After a refresh, a size class observed on one path only sends its next MIN_OBSERVED
 # calls the other way (enough to correct that path at the next refresh), where the two
 # predictions are within this factor: once a class, each such call up to 2x its better
@@ -152,11 +150,12 @@ class Model:
     decisions: dict[tuple, tuple[bool, float, float]] = field(default_factory=dict)
     # per kind: decided calls since the last refresh and refreshes so far; per (kind,
     # compressed?, size class) the synchronous calls' observed over predicted seconds
-    # since the class was last corrected on that path (this rank's; the latest
-    # OBSERVED_MAX), and how many
+    # since the class was last corrected on that path (this rank's): fewer than
+    # MIN_OBSERVED, or the calls since the last refresh (at most REFRESH), which
+    # corrects the class and empties its list
     since: dict[str, int] = field(default_factory=dict)
     refreshes: dict[str, int] = field(default_factory=dict)
-    observed: dict[tuple, tuple[deque, list[int]]] = field(default_factory=dict)
+    observed: dict[tuple, list[float]] = field(default_factory=dict)
     # (kind, compressed?, size class) whose first call has run: that one is not observed
     # (it pays one-time set-up: buffers, the codec's first call at its size; 64 KiB
     # reduce-scatters at 1 Gbit/s: 1.9-3.9 ms, the next ones 0.7-0.9 ms)
@@ -240,16 +239,17 @@ class Model:
             exact, compressed = self.predict(kind, numel, dtype, q)
             got = self.decisions[key] = (compressed * MARGIN < exact, exact, compressed)
         if self.explore:
-            trial = self.explore.get((kind, size_class(numel * dtype.itemsize)))
-            if trial is not None:
-                return self._explored(kind, numel, dtype, trial, got)
+            cls = (kind, size_class(numel * dtype.itemsize))
+            if cls in self.explore:
+                return self._explored(cls, got)
         return got
 
-    def _explored(self, kind: str, numel: int, dtype: torch.dtype, trial: list,
-                  got: tuple[bool, float, float]) -> tuple[bool, float, float]:
-        """A call of a size class being tried on path ``trial[0]`` (:func:`refresh`):
-        sent that way where the two predictions are within :data:`EXPLORE_WITHIN`, one
-        of ``trial[1]`` calls; farther apart, the trial ends."""
+    def _explored(self, cls: tuple, got: tuple[bool, float, float]) -> tuple[bool, float, float]:
+        """A call of size class ``cls`` (kind, class) being tried on path ``trial[0]`` of
+        its trial (:func:`refresh`): sent that way where the two predictions are within
+        :data:`EXPLORE_WITHIN`, one of ``trial[1]`` calls; farther apart, the trial
+        ends."""
+        trial = self.explore[cls]
         path, _ = trial
         compress, exact, compressed = got
         if max(exact, compressed) >= EXPLORE_WITHIN * min(exact, compressed):
@@ -258,7 +258,7 @@ class Model:
             trial[1] -= 1
             got = (path, exact, compressed)
         if trial[1] <= 0:
-            del self.explore[(kind, size_class(numel * dtype.itemsize))]
+            del self.explore[cls]
         return got
 
     def observe(self, kind: str, compressed: bool, numel: int, dtype: torch.dtype,
@@ -269,11 +269,7 @@ class Model:
         if key not in self.warm:
             self.warm.add(key)
             return
-        seen = self.observed.get(key)
-        if seen is None:
-            seen = self.observed[key] = (deque(maxlen=OBSERVED_MAX), [0])
-        seen[0].append(seconds / predicted if predicted > 0 else 1.0)
-        seen[1][0] += 1
+        self.observed.setdefault(key, []).append(seconds / predicted if predicted > 0 else 1.0)
 
     def due(self, kind: str) -> bool:
         """Count one decided call of ``kind``; whether the model is due a refresh first
@@ -459,8 +455,8 @@ def refresh(state, model: Model, kind: str, device: torch.device) -> None:
     keys = [(kind, path, cls) for path in (False, True) for cls in range(CLASSES)]
     local = []
     for key in keys:
-        ratios, count = model.observed.get(key, ((), [0]))
-        local += [statistics.median(ratios) if ratios else 0.0, float(count[0])]
+        ratios = model.observed.get(key, ())
+        local += [statistics.median(ratios) if ratios else 0.0, float(len(ratios))]
     probes = _Probes(kind, device)
     t = probes.agree(state.inner, local)
     state.record_control(kind, probes.bytes)

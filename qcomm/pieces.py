@@ -20,6 +20,8 @@ starts every piece, then one that decodes them::
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from . import inner as I
@@ -77,7 +79,7 @@ class PieceExchange:
         self.call, self.how, self.sizes, self.check = call, how, sizes, check
         self.where = where
         self.rides = check is not None and check.rides
-        self.offsets = [sum(sizes[:p]) for p in range(len(sizes))]
+        self.offsets = list(itertools.accumulate(sizes[:-1], initial=0))
         self.inflight: list = []
         world, total = call.world, sum(sizes)
         if not self.rides:

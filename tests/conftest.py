@@ -12,8 +12,8 @@ The processes are kept between calls (:class:`_Pool`, one set per world size): s
 ``world`` interpreters that import torch cost 2.0-2.7 s a call at world 2 and 3.7-5.4 s
 at 4 on a 2-core Xeon (run_ranks of a function that returns at once, timed from the
 parent), and the suite's 73 calls (55 at world 2, 6 at 3, 12 at 4) spent an estimated
-~225 s of its 875 s so. Each call sees
-what fresh processes would of qcomm and the tests: the environment is the parent's at
+~225 s of its 875 s so. Each call sees what fresh processes would of qcomm and the
+tests: the environment is the parent's at
 the call (plus the call's), and afterwards the worker puts back what the call changed
 in the modules of qcomm, bench and the tests (their globals, the contents of their
 dict, set and list globals, their classes' attributes: a test that patches
