@@ -86,9 +86,9 @@ CLASSES = 32
 MIN_OBSERVED = 4
 # A class's correction is the median of its calls' observed/predicted ratios, not the
 # mean: on 2 busy cores a call that blocks now and then waits a scheduler tick (4 ms at
-# HZ=250) more, whichever its path (plain gloo all-gathers of 64 KiB on loopback, 2-core
-# Xeon: median 166 us, mean 433, max 3.8 ms); the mean of 4-16 calls followed those
-# ticks and called a 0.25 ms exact path 1.5 ms.
+# HZ=250) more, whichever its path (plain gloo reduce-scatters of 64 KiB on loopback,
+# 2-core Xeon: median 0.30-0.68 ms, mean 1.2-1.8, max 7-8: docs/design.md's snippet),
+# and the mean of the 4-16 calls a correction sees follows those ticks.
 # After a refresh, a size class observed on one path only sends its next MIN_OBSERVED
 # calls the other way (enough to correct that path at the next refresh), where the two
 # predictions are within this factor: once a class, each such call up to 2x its better
@@ -157,8 +157,9 @@ class Model:
     refreshes: dict[str, int] = field(default_factory=dict)
     observed: dict[tuple, list[float]] = field(default_factory=dict)
     # (kind, compressed?, size class) whose first call has run: that one is not observed
-    # (it pays one-time set-up: buffers, the codec's first call at its size; 64 KiB
-    # reduce-scatters at 1 Gbit/s: 1.9-3.9 ms, the next ones 0.7-0.9 ms)
+    # (it pays one-time set-up: buffers, the codec's first call at its size; a group's
+    # 2nd and 3rd 8-bit 64 KiB reduce-scatters 15-18 ms where the rest took 11 ms at the
+    # median, eager codec: docs/design.md's snippet)
     warm: set = field(default_factory=set)
     # (kind, size class) -> [path, calls left]: its next calls go that way (refresh)
     explore: dict[tuple, list] = field(default_factory=dict)
