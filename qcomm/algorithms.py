@@ -213,6 +213,55 @@ def _quantize_fed(call: Call, x: torch.Tensor, fed: torch.Tensor, seeds: list[in
 
 
 # ---------------------------------------------------------------------------------
+# Exact calls under bits=auto: agreed like compressed ones, small ones riding in the
+# descriptor's envelope (qcomm.envelope: one exchange, the exact call's own)
+
+
+def ride(check, rows: torch.Tensor | None, *, same_for_all: bool) -> torch.Tensor | None:
+    """Finish an exact call's descriptor check (``check``: started with ``rows``' bytes a
+    peer as its body, or None where the call is agreed already), its exact bytes riding
+    in the envelope where it rides: ``rows`` ([world, nbytes] uint8, row j for rank j;
+    ``same_for_all``: one row, every peer's). Returns the [world, nbytes] rows received,
+    in rank order (this rank's own among them); None where the call did not ride (its
+    descriptors agreed: the caller sends it exact)."""
+    if check is None:
+        return None
+    if not check.rides:
+        check.finish()
+        return None
+    payloads = check.payloads()
+    payloads[:1 if same_for_all else None].copy_(rows)
+    check.start(same_for_all=same_for_all)
+    check.finish()
+    return check.received(0, check.body)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ([R, n], rows of one dtype, each contiguous) as [R, n * itemsize] bytes."""
+    try:
+        return t.view(torch.uint8)
+    except RuntimeError:  # rows whose spacing is not a whole number of elements
+        return t.contiguous().view(torch.uint8)
+
+
+@torch.no_grad()
+def sum_rows(rows: torch.Tensor, op, world: int, out: torch.Tensor) -> None:
+    """``out`` = ``op`` over ``rows`` ([R, n] in rank order; AVG over ``world``), summed
+    in fp32 a row at a time in rank order: every rank that sums the same rows gets the
+    same bits, whatever machine it runs on (one rounding per elementwise add; a
+    reduction kernel's order depends on its vector width)."""
+    acc = rows[0].to(torch.float32, copy=True)
+    for r in range(1, rows.shape[0]):
+        acc.add_(rows[r])
+    name, factor = reduce_op(op, world)
+    if name == "avg":
+        acc.div_(factor)
+    elif name == "premul":
+        acc.mul_(factor)
+    out.copy_(acc.view(out.shape))
+
+
+# ---------------------------------------------------------------------------------
 # Two-level plans (qcomm.topology): N nodes x P ranks; exact inside a node, compressed
 # among the N ranks of one local index. ``members[k][l]`` is the group rank of local
 # index l on node k; ranks may be in any order.

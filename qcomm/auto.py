@@ -6,7 +6,10 @@ run: on a 100 Mbit/s link an 8-bit FSDP2 step is several times faster than gloo'
 loopback it is slower. A collective kind the config marks ``auto``
 (:attr:`qcomm.CommConfig.auto`, ``QCOMM_BITS=auto``) is decided call by call::
 
-    exact(bytes)      = the exact inner call's time, fitted  latency + bytes / bandwidth
+    exact(bytes)      = the exact inner call's time, fitted  latency + bytes / bandwidth;
+                        on a CPU group, whose every such call is agreed, the
+                        descriptor's exchange with the bytes riding in it where they
+                        fit the envelope, else that exchange + the exact call
     compressed(n, q)  = codec and wire, pipelined over the call's pieces:
                         max(codec, wire) + min(codec, wire) / pieces
         codec         = per codec call: its fixed cost + elements x its cost an element
@@ -16,18 +19,26 @@ loopback it is slower. A collective kind the config marks ``auto``
                         in its descriptor's exchange, codec + that exchange
 
 Its inputs are measured on this group, not assumed (:func:`calibrate`, at the first
-call a kind's ``auto`` decides, within ~0.1-0.5 s on a 100 Mbit/s link): the exact
+call a kind's ``auto`` decides, once every rank has agreed on that call; within
+~0.1-0.5 s on a 100 Mbit/s link): the exact
 inner calls at two sizes (the kinds' own: gloo's reduce-scatter is not its
 all-gather), the payloads' all-gather and all-to-all at two sizes on each level's
 group, and the codec's calls at two sizes on this device, on the group's own codec
 path. **Every rank decides alike**: each probe's time is the slowest rank's (one
 all-reduce MAX), so every rank holds the same model, and a decision is a function of
-that model and the call's (kind, elements, dtype, config) alone, which the ranks agree
-on. A wrong guess costs time, never a hang or mixed bytes.
+that model and the call's (kind, elements, dtype, config) alone. On a CPU group the
+call's descriptor carries the way it goes beside those, and is compared before any
+payload or exact call moves (:func:`qcomm.driver._run_agreed`): ranks that disagree
+are refused alike. What steers a decision besides the model (the calls since a
+refresh, a trial's calls left, the calls taken on each path) changes only when a call
+every rank agreed on is committed (:meth:`Model.commit`), so it is the same on every
+rank, and a refused call changes nothing. A wrong guess costs time, never a hang or
+mixed bytes.
 
-**Refreshed when observed times drift**: after 4 decided calls of a kind, then 8, 16,
-... and every :data:`REFRESH` (the same call on every rank), the synchronous calls'
-observed times over their predictions, their median per path and size class (factors
+**Refreshed when observed times drift**: after 4 committed calls of a kind, then 8, 16,
+... and every :data:`REFRESH` (after the same call on every rank), the calls' observed
+times (synchronous or not: the whole call, as the worker runs an async one) over their
+predictions, their median per path and size class (factors
 of 4 of the bytes), are agreed (the slowest rank's, one all-reduce) and, once a class
 has :data:`MIN_OBSERVED` calls on a path, scale that path's predictions for the class; a
 class never observed on a path keeps the raw model's (what a path does at one size says
@@ -67,6 +78,8 @@ PROBE_SMALL, PROBE_LARGE = 256, 256 << 10
 PROBE_SECONDS = 0.01
 PROBE_SCALE_MAX = 64
 PROBE_REPEATS = 3  # timed calls of each probe after one warm-up; the fastest counts
+# The clock a decided call's time is observed by (a test stands a fake one in)
+clock = time.perf_counter
 # Elements a row of the codec's probes (2 rows): a small call (its fixed cost, ~50-200
 # us on CPU) and a large one (its cost an element), a few ms on one core.
 CODEC_SMALL, CODEC_LARGE = 1 << 10, 1 << 17
@@ -140,6 +153,9 @@ class Model:
     # per config: quantize, decode and decode-sum, each a Line of (seconds a call,
     # seconds an element: its per_byte) over the elements of one codec call
     codec: dict[QuantConfig, tuple[Line, Line, Line]]
+    # whether every call is agreed before it moves (a CPU group: its descriptor, which an
+    # exact call pays too, its bytes riding in the envelope where they fit)
+    agreed: bool = False
     # observed over predicted, agreed at refreshes: per (kind, compressed?, size class)
     correction: dict[tuple, float] = field(default_factory=dict)
     # what measuring this model took (calibrate), on this rank, and of it the codec's
@@ -148,19 +164,19 @@ class Model:
     seconds: float = 0.0
     codec_seconds: float = 0.0
     decisions: dict[tuple, tuple[bool, float, float]] = field(default_factory=dict)
-    # per kind: decided calls since the last refresh and refreshes so far; per (kind,
-    # compressed?, size class) the synchronous calls' observed over predicted seconds
-    # since the class was last corrected on that path (this rank's): fewer than
+    # per kind: committed calls since the last refresh and refreshes so far; per (kind,
+    # compressed?, size class) the calls' observed over predicted seconds (synchronous
+    # or not) since the class was last corrected on that path (this rank's): fewer than
     # MIN_OBSERVED, or the calls since the last refresh (at most REFRESH), which
     # corrects the class and empties its list
     since: dict[str, int] = field(default_factory=dict)
     refreshes: dict[str, int] = field(default_factory=dict)
     observed: dict[tuple, list[float]] = field(default_factory=dict)
-    # (kind, compressed?, size class) whose first call has run: that one is not observed
-    # (it pays one-time set-up: buffers, the codec's first call at its size; a group's
-    # 2nd and 3rd 8-bit 64 KiB reduce-scatters 15-18 ms where the rest took 11 ms at the
-    # median, eager codec: docs/design.md's snippet)
-    warm: set = field(default_factory=set)
+    # (kind, compressed?, size class) -> the calls that went that way: agreed (every
+    # rank commits the same calls, :meth:`commit`), so what it steers is the same on
+    # every rank: a class's first call on a path is not observed (it pays one-time
+    # set-up: buffers, the codec's first call at its size), a trial's length
+    taken: dict[tuple, int] = field(default_factory=dict)
     # (kind, size class) -> [path, calls left]: its next calls go that way (refresh)
     explore: dict[tuple, list] = field(default_factory=dict)
 
@@ -175,6 +191,12 @@ class Model:
         all-gather's input, a reduce-scatter's output, an all-reduce's tensor)."""
         size = dtype.itemsize
         exact = self.exact[kind](numel * size)
+        if self.agreed:  # the descriptor's exchange, the exact bytes riding where they fit
+            body = numel * size  # a peer's: the shard, the chunk, the whole tensor
+            if body <= envelope_cap(self.world):
+                exact = self.exchange(DESC_NBYTES + body)
+            else:
+                exact += self.exchange(DESC_NBYTES)
         # a config the group was not calibrated for (a direct call's own): the codec's
         # cost an element hardly depends on the bits; the first config's stands in
         codec = self.codec.get(q) or next(iter(self.codec.values()))
@@ -228,10 +250,10 @@ class Model:
         # the node's fp32 sum counted as a decode-sum of its rows
         return across + self.intra_exchange(k * n * size) + dsum(self.world * n)
 
-    def decide(self, kind: str, numel: int, dtype: torch.dtype,
-               q: QuantConfig) -> tuple[bool, float, float]:
-        """(compress?, predicted exact s, predicted compressed s), cached per call shape
-        until the next refresh."""
+    def predicted(self, kind: str, numel: int, dtype: torch.dtype,
+                  q: QuantConfig) -> tuple[bool, float, float]:
+        """(compress?, predicted exact s, predicted compressed s) by the model alone,
+        cached per call shape until the next refresh."""
         key = (kind, numel, dtype, q)
         got = self.decisions.get(key)
         if got is None:
@@ -239,45 +261,67 @@ class Model:
                 self.decisions.clear()
             exact, compressed = self.predict(kind, numel, dtype, q)
             got = self.decisions[key] = (compressed * MARGIN < exact, exact, compressed)
-        if self.explore:
-            cls = (kind, size_class(numel * dtype.itemsize))
-            if cls in self.explore:
-                return self._explored(cls, got)
         return got
 
-    def _explored(self, cls: tuple, got: tuple[bool, float, float]) -> tuple[bool, float, float]:
-        """A call of size class ``cls`` (kind, class) being tried on path ``trial[0]`` of
-        its trial (:func:`refresh`): sent that way where the two predictions are within
-        :data:`EXPLORE_WITHIN`, one of ``trial[1]`` calls; farther apart, the trial
-        ends."""
-        trial = self.explore[cls]
-        path, _ = trial
-        compress, exact, compressed = got
-        if max(exact, compressed) >= EXPLORE_WITHIN * min(exact, compressed):
-            trial[1] = 0
-        elif compress is not path:
-            trial[1] -= 1
-            got = (path, exact, compressed)
-        if trial[1] <= 0:
-            del self.explore[cls]
+    def choose(self, kind: str, numel: int, dtype: torch.dtype,
+               q: QuantConfig) -> tuple[bool, float, float]:
+        """The way one call goes, with both predictions: the model's choice, or the
+        path its size class's trial tries (:func:`refresh`) where the two predictions
+        are within :data:`EXPLORE_WITHIN`. Changes nothing: a call counts once every
+        rank agreed on it (:meth:`commit`), so a refused call leaves the model as it
+        was."""
+        got = self.predicted(kind, numel, dtype, q)
+        if not self.explore:
+            return got
+        trial = self.explore.get((kind, size_class(numel * dtype.itemsize)))
+        if trial is not None and got[0] is not trial[0] and not _far(got):
+            return (trial[0], got[1], got[2])
+        return got
+
+    def commit(self, kind: str, numel: int, dtype: torch.dtype, q: QuantConfig,
+               compress: bool) -> None:
+        """Count one call every rank agreed on, sent ``compress``-wise: its trial's calls
+        left (one fewer where the trial turned it; none where the predictions are far
+        apart), the calls since the last refresh, and the calls taken on its path and
+        size class. Every rank commits the same calls, so all of it is agreed."""
+        cls = size_class(numel * dtype.itemsize)
+        trial = self.explore.get((kind, cls)) if self.explore else None
+        if trial is not None:
+            got = self.predicted(kind, numel, dtype, q)
+            if _far(got):
+                trial[1] = 0
+            elif got[0] is not trial[0]:
+                trial[1] -= 1
+            if trial[1] <= 0:
+                del self.explore[(kind, cls)]
+        key = (kind, compress, cls)
+        self.taken[key] = self.taken.get(key, 0) + 1
+        self.since[kind] = self.since.get(kind, 0) + 1
+
+    def decide(self, kind: str, numel: int, dtype: torch.dtype,
+               q: QuantConfig) -> tuple[bool, float, float]:
+        """:meth:`choose` and :meth:`commit` at once, for a call that cannot be refused
+        (a CUDA group's: it exchanges no descriptor)."""
+        got = self.choose(kind, numel, dtype, q)
+        self.commit(kind, numel, dtype, q, got[0])
         return got
 
     def observe(self, kind: str, compressed: bool, numel: int, dtype: torch.dtype,
                 seconds: float, predicted: float) -> None:
-        """A synchronous decided call's time on this rank, beside its prediction (not
-        the first of its kind, path and size class: :attr:`warm`)."""
+        """A committed call's time on this rank (synchronous or not: the whole call),
+        beside its prediction; not the first call of its kind, path and size class
+        (:attr:`taken`: it pays one-time set-up)."""
         key = (kind, compressed, size_class(numel * dtype.itemsize))
-        if key not in self.warm:
-            self.warm.add(key)
+        if self.taken.get(key, 0) <= 1:
             return
         self.observed.setdefault(key, []).append(seconds / predicted if predicted > 0 else 1.0)
 
     def due(self, kind: str) -> bool:
-        """Count one decided call of ``kind``; whether the model is due a refresh first
-        (after :data:`FIRST_REFRESH` calls, twice as many each time up to
-        :data:`REFRESH`: the same call on every rank)."""
-        self.since[kind] = self.since.get(kind, 0) + 1
-        return self.since[kind] > min(REFRESH, FIRST_REFRESH << self.refreshes.get(kind, 0))
+        """Whether ``kind``'s agreed refresh is due: after :data:`FIRST_REFRESH`
+        committed calls, twice as many each time up to :data:`REFRESH` (the same call on
+        every rank)."""
+        return self.since.get(kind, 0) >= min(REFRESH,
+                                               FIRST_REFRESH << self.refreshes.get(kind, 0))
 
     def describe(self) -> dict:
         """The model's measured inputs and corrections, as plain data
@@ -296,6 +340,13 @@ class Model:
                           for q, v in self.codec.items()},
                 "correction": {f"{k}/{'compressed' if p else 'exact'}/4^{c}B": v
                                for (k, p, c), v in sorted(self.correction.items())}}
+
+
+def _far(got: tuple[bool, float, float]) -> bool:
+    """Whether a call's two predictions are :data:`EXPLORE_WITHIN` apart or more: no
+    trial sends it the way predicted slower."""
+    _, exact, compressed = got
+    return max(exact, compressed) >= EXPLORE_WITHIN * min(exact, compressed)
 
 
 def size_class(nbytes: int) -> int:
@@ -319,11 +370,20 @@ def _timed(fn, *args, **kwargs) -> float:
 class _Probes:
     """The inner calls of one calibration or refresh: each timed (:func:`_timed`), the
     agreement of their results (:meth:`agree`), and the bytes every call hands its peers
-    counted (they go to stats as control bytes)."""
+    counted per group (:meth:`record`: control bytes, each against the link it crossed)."""
 
     def __init__(self, kind: str, device: torch.device) -> None:
         self.kind, self.device = kind, device
-        self.bytes = 0
+        self.sent: dict[int, list] = {}  # id(group) -> [group, bytes handed to its peers]
+
+    def _count(self, group, nbytes: int) -> None:
+        self.sent.setdefault(id(group), [group, 0])[1] += nbytes
+
+    def record(self, state) -> None:
+        """Count the bytes in ``state``'s stats as the kind's control bytes, each group's
+        against its own link (:meth:`qcomm.driver.GroupState.record_control`)."""
+        for group, nbytes in self.sent.values():
+            state.record_control(self.kind, nbytes, group)
 
     def _time(self, fn, group, *args, to_peers: int) -> float:
         rank, what = group.rank(), "auto's probe of the link"
@@ -331,7 +391,7 @@ class _Probes:
         def call():
             I.wait(I.start(fn, self.kind, what, rank, group, *args), self.kind, what, rank)
 
-        self.bytes += (PROBE_REPEATS + 1) * to_peers
+        self._count(group, (PROBE_REPEATS + 1) * to_peers)
         return _timed(call)
 
     def payloads(self, group, nbytes: int) -> list[float]:
@@ -362,7 +422,7 @@ class _Probes:
         rank, what = group.rank(), "auto's agreement"
         I.wait(I.start(I.all_reduce, self.kind, what, rank, group, t, dist.ReduceOp.MAX),
                self.kind, what, rank)
-        self.bytes += 2 * (group.size() - 1) * -(-len(times) // group.size()) * 8
+        self._count(group, 2 * (group.size() - 1) * -(-len(times) // group.size()) * 8)
         return t.tolist()
 
 
@@ -420,7 +480,7 @@ def calibrate(state, kind: str, device: torch.device, configs) -> Model:
         scale = min(PROBE_SECONDS / max(max(large), 1e-6), PROBE_SCALE_MAX)
         large_bytes = int(PROBE_LARGE * scale) // 4 * 4
         large = probes.agree(inner, measure(large_bytes))
-    state.record_control(kind, probes.bytes)
+    probes.record(state)
     lines = [Line.fit((PROBE_SMALL, s), (large_bytes, t)) for s, t in zip(small, large,
                                                                           strict=True)]
     exact = dict(zip(kinds, lines, strict=False))
@@ -430,7 +490,8 @@ def calibrate(state, kind: str, device: torch.device, configs) -> Model:
                  intra_gather=level[1][0] if two_level else None,
                  intra_exchange=level[1][1] if two_level else None,
                  nodes=state.topology.nodes if two_level else world,
-                 codec={q: _codec_lines(codec, i, len(configs)) for i, q in enumerate(configs)})
+                 codec={q: _codec_lines(codec, i, len(configs)) for i, q in enumerate(configs)},
+                 agreed=device.type == "cpu")
 
 
 def _codec_lines(times: list[float], i: int, configs: int) -> tuple[Line, Line, Line]:
@@ -444,15 +505,15 @@ def _codec_lines(times: list[float], i: int, configs: int) -> tuple[Line, Line, 
 
 
 def refresh(state, model: Model, kind: str, device: torch.device) -> None:
-    """The agreed refresh of ``kind`` (collective: every rank at the same decided call).
-    Per path and size class, the median of the synchronous calls' observed over
+    """The agreed refresh of ``kind`` (collective: every rank after the same committed
+    call). Per path and size class, the median of the calls' observed over
     predicted seconds and their count since the class was last corrected on that path,
     the slowest rank's (one all-reduce MAX of a fixed number of values, whatever each
     rank observed); a class with at least :data:`MIN_OBSERVED` calls on a path scales
     that path's predictions for it by that median (at most :data:`MAX_CORRECTION` a
     refresh); fewer calls wait for the next refresh. A class observed on one path only,
     its other path never corrected, tries that path for the calls it lacks
-    (:meth:`Model.decide`)."""
+    (:meth:`Model.choose`)."""
     keys = [(kind, path, cls) for path in (False, True) for cls in range(CLASSES)]
     local = []
     for key in keys:
@@ -460,7 +521,7 @@ def refresh(state, model: Model, kind: str, device: torch.device) -> None:
         local += [statistics.median(ratios) if ratios else 0.0, float(len(ratios))]
     probes = _Probes(kind, device)
     t = probes.agree(state.inner, local)
-    state.record_control(kind, probes.bytes)
+    probes.record(state)
     seen = {key: (t[2 * i], int(t[2 * i + 1])) for i, key in enumerate(keys)}
     # a class seen on one path only: its next calls try the other, as many as it lacks
     # to be corrected (where the two predictions are within EXPLORE_WITHIN), or a path
@@ -471,7 +532,7 @@ def refresh(state, model: Model, kind: str, device: torch.device) -> None:
         for path in (False, True):
             known = seen[(kind, path, cls)][1] > 0 or (kind, path, cls) in model.correction
             other = (kind, not path, cls)
-            lacking = MIN_OBSERVED - seen[other][1] + (other not in model.warm)
+            lacking = MIN_OBSERVED - seen[other][1] + (model.taken.get(other, 0) == 0)
             if known and other not in model.correction and lacking > 0:
                 model.explore[(kind, cls)] = [not path, lacking]
     for key in keys:
@@ -480,6 +541,6 @@ def refresh(state, model: Model, kind: str, device: torch.device) -> None:
             step = min(max(ratio, 1 / MAX_CORRECTION), MAX_CORRECTION)
             model.correction[key] = model.correction.get(key, 1.0) * step
             model.observed.pop(key, None)
-    model.since[kind] = 1
+    model.since[kind] = 0
     model.refreshes[kind] = model.refreshes.get(kind, 0) + 1
     model.decisions.clear()

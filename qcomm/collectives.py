@@ -29,13 +29,18 @@ Failures are errors, never wrong numbers or hangs (tests/test_reliability.py):
 - Ranks that disagree (size, dtype, config, collective, op, a skipped call) raise
   ``ValueError`` naming the field on every rank before any payload moves
   (:mod:`qcomm.handshake`: configs once per group, a descriptor per call on CPU
-  groups, every received header).
+  groups, every received header). Under bits=auto every call of its kinds the group
+  could compress is agreed so, exact ones too, whichever way each rank would send it.
+- An input whose elements share memory (``expand``) is refused up front, naming it.
 - A failed inner exchange (a dead peer, the group's timeout) raises
   ``DistBackendError`` naming the qcomm collective and the phase.
-- Not covered: a call that is compressed on one rank and exact on another because
-  of its size or dtype (the exact call goes to gloo as it is, which aborts on
-  mismatched sizes as plain gloo does), and async exact calls, whose Work fails
-  with the inner group's own message.
+- Under fixed bits, exact calls go to the inner group as they are, unchecked: ranks
+  that disagree there get what the inner group does (gloo aborts the process on
+  mismatched sizes, or leaves a short receive unwritten); a call compressed on one
+  rank and exact on another (its size or dtype) fails on every rank at the group's
+  timeout, naming the phase, and fails the group. Async exact calls' Works fail with
+  the inner group's own message. docs/design.md, "Reliability", says exactly what is
+  promised where.
 """
 
 from __future__ import annotations
@@ -45,16 +50,36 @@ from torch.distributed import ReduceOp
 
 from . import algorithms as A
 from . import inner as I
-from .driver import Call, exact_reduce, finish, group_state, inner_of, peer_bytes, run
+from .codec import FLOAT_DTYPES
+from .driver import (
+    COMPRESSIBLE_OPS,
+    Call,
+    exact_reduce,
+    finish,
+    group_state,
+    inner_of,
+    op_type,
+    peer_bytes,
+    run,
+)
 from .pieces import envelope_body, pieces
 
 # ---------------------------------------------------------------------------------
 # Validation (before any communication)
 
 
-def check_tensor(name: str, t) -> torch.Tensor:
+def check_tensor(name: str, t, fn: str = "qcomm") -> torch.Tensor:
+    """``t`` if it is a tensor whose elements each have memory of their own; else a
+    TypeError or ValueError naming ``fn``'s argument ``name``, before anything is sent."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    # 1: some elements share memory (an expand(), a stride of 0): read once and written
+    # once per element, a collective would race with itself (gloo's own all-reduce
+    # crashes the process on one); 2: torch cannot tell cheaply, left to the checks after
+    if torch._debug_has_internal_overlap(t) == 1:
+        raise ValueError(
+            f"{fn}: {name} has elements that share memory (shape {tuple(t.shape)}, stride "
+            f"{t.stride()}: e.g. made by expand()); pass a copy of its own (.clone())")
     return t
 
 
@@ -82,13 +107,20 @@ def _check_contiguous(fn: str, name: str, t: torch.Tensor) -> None:
 def check_flat_pair(name: str, out, inp, group, *, gathered: bool):
     """Validate a flat collective's (out, inp) before any communication (``name`` is
     the caller, for the message); returns (out, inp, the resolved group, its size)."""
-    out, inp = check_tensor("out", out), check_tensor("inp", inp)
+    out, inp = check_tensor("out", out, name), check_tensor("inp", inp, name)
     group = I.default(group)
     world = group_state(group).world
     _check_pair(name, out, inp, world, gathered=gathered)
     _check_contiguous(name, "out", out)
     _check_contiguous(name, "inp", inp)
     return out, inp, group, world
+
+
+def summable(tensor: torch.Tensor, op) -> bool:
+    """Whether an exact call's op over ``tensor``'s dtype can be summed here (bits=auto's
+    exact calls that ride in their envelope, :func:`qcomm.algorithms.sum_rows`): a
+    float dtype qcomm compresses, with SUM, AVG or PREMUL_SUM."""
+    return tensor.dtype in FLOAT_DTYPES and op_type(op) in COMPRESSIBLE_OPS
 
 
 # ---------------------------------------------------------------------------------
@@ -119,10 +151,22 @@ def gather_into(group, outs: list[torch.Tensor], out_flat: torch.Tensor | None,
     group = I.default(group)
     world, n = group_state(group).world, inp.numel()
 
-    def run_exact():
+    def run_exact(async_op: bool):
         inner = inner_of(group)
         work = exact() if exact is not None else I.all_gather(inner, out_flat, inp)
         return finish(work, async_op, "all_gather", inner.rank())
+
+    def agreed_exact(call: Call) -> tuple[int, int]:
+        nbytes = n * inp.element_size()
+        rides = exact is None and out_flat is not None  # into a flat output: any dtype
+        check = call.check_descriptors(n, inp.dtype, None, inp.device, nbytes if rides else 0)
+        got = A.ride(check, A.as_bytes(inp.reshape(1, -1)) if rides else None,
+                     same_for_all=True)
+        if got is None:
+            run_exact(False)
+            return call.flat_bytes(logical)
+        A.as_bytes(out_flat.view(world, n)).copy_(got)
+        return call.flat_bytes(logical)
 
     def compressed(call: Call) -> tuple[int, int]:
         send, decode = prepare(call) if prepare is not None else (inp, None)
@@ -132,10 +176,11 @@ def gather_into(group, outs: list[torch.Tensor], out_flat: torch.Tensor | None,
         sent = gather(call, outs, send, call.seed(call.rank), check=check, decode=decode)
         return sent if call.two_level else call.flat_bytes(peer_bytes(world, sent))
 
-    return run(group, "all_gather", tensor=inp, numel=n,
-               logical=peer_bytes(world, n * inp.element_size()), exact=run_exact,
-               compressed=compressed, result=[out_flat] if out_flat is not None else outs,
-               config=config, can_compress=can_compress, async_op=async_op)
+    logical = peer_bytes(world, n * inp.element_size())
+    return run(group, "all_gather", tensor=inp, numel=n, logical=logical, exact=run_exact,
+               compressed=compressed, agreed_exact=agreed_exact,
+               result=[out_flat] if out_flat is not None else outs, config=config,
+               can_compress=can_compress, async_op=async_op)
 
 
 def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op=ReduceOp.SUM, group=None,
@@ -161,7 +206,7 @@ def scatter_from(group, out: torch.Tensor, chunks: list[torch.Tensor],
     group = I.default(group)
     world, n = group_state(group).world, out.numel()
 
-    def run_exact():
+    def run_exact(async_op: bool):
         inner = inner_of(group)
         send_op, factor, avg = exact_reduce(op, out, inner)
         parts, flat = chunks, inp_flat
@@ -174,6 +219,17 @@ def scatter_from(group, out: torch.Tensor, chunks: list[torch.Tensor],
             inner, out, flat, send_op)
         return finish(work, async_op, "reduce_scatter", inner.rank(),
                       divide=(out, world) if avg else None)
+
+    def agreed_exact(call: Call) -> tuple[int, int]:
+        rows = A.rows_of(chunks) if summable(out, op) else None
+        nbytes = n * out.element_size() if rows is not None else 0
+        check = call.check_descriptors(n, out.dtype, op, out.device, nbytes)
+        got = A.ride(check, A.as_bytes(rows) if nbytes else None, same_for_all=False)
+        if got is None:
+            run_exact(False)
+        else:  # chunk `rank` of every rank, summed here
+            A.sum_rows(got.contiguous().view(out.dtype), op, world, out)
+        return call.flat_bytes(logical)
 
     def compressed(call: Call) -> tuple[int, int]:
         seeds = [call.seed(call.rank * world + j) for j in range(world)]
@@ -191,10 +247,10 @@ def scatter_from(group, out: torch.Tensor, chunks: list[torch.Tensor],
                 call, n, chunks[0].dtype, out.device, pieces(n, call.q)))
         return call.flat_bytes(peer_bytes(world, nbytes))
 
-    return run(group, "reduce_scatter", tensor=out, numel=n,
-               logical=peer_bytes(world, n * out.element_size()), exact=run_exact,
-               compressed=compressed, result=[out], op=op, config=config,
-               can_compress=can_compress, async_op=async_op,
+    logical = peer_bytes(world, n * out.element_size())
+    return run(group, "reduce_scatter", tensor=out, numel=n, logical=logical, exact=run_exact,
+               compressed=compressed, agreed_exact=agreed_exact, result=[out], op=op,
+               config=config, can_compress=can_compress, async_op=async_op,
                keep=[inp_flat] if inp_flat is not None else chunks)
 
 
@@ -203,12 +259,12 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *, config=None
     """Reduce ``tensor`` in place over the group (SUM, AVG, PREMUL_SUM compressed by
     scatter-reduce-allgather; other ops exact); every rank ends with identical values.
     Like :func:`torch.distributed.all_reduce`."""
-    tensor = check_tensor("tensor", tensor)
+    tensor = check_tensor("tensor", tensor, "all_reduce")
     group = I.default(group)
     world, numel = group_state(group).world, tensor.numel()
     chunk = -(-numel // world)
 
-    def run_exact():
+    def run_exact(async_op: bool):
         inner = inner_of(group)
         send_op, factor, avg = exact_reduce(op, tensor, inner)
         if factor is not None:  # the tensor is the output: scaled in place
@@ -216,6 +272,20 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *, config=None
                 tensor.mul_(factor)
         return finish(I.all_reduce(inner, tensor, send_op), async_op, "all_reduce",
                       inner.rank(), divide=(tensor, world) if avg else None)
+
+    def agreed_exact(call: Call) -> tuple[int, int]:
+        # every rank gets the whole tensor of every other and sums them in rank order:
+        # one exchange, the same bits everywhere (a small call: latency, not bytes)
+        rides = summable(tensor, op) and tensor.is_contiguous()
+        nbytes = numel * tensor.element_size() if rides else 0
+        check = call.check_descriptors(numel, tensor.dtype, op, tensor.device, nbytes)
+        got = A.ride(check, A.as_bytes(tensor.view(1, -1)) if nbytes else None,
+                     same_for_all=True)
+        if got is None:
+            run_exact(False)
+            return call.flat_bytes(logical)
+        A.sum_rows(got.contiguous().view(tensor.dtype), op, world, tensor)
+        return call.flat_bytes(peer_bytes(world, nbytes))
 
     def compressed(call: Call) -> tuple[int, int]:
         rank = call.rank
@@ -249,7 +319,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *, config=None
             tensor.copy_(work)
         return sent
 
-    return run(group, "all_reduce", tensor=tensor, numel=numel,
-               logical=2 * peer_bytes(world, chunk * tensor.element_size()), exact=run_exact,
-               compressed=compressed, result=[tensor], op=op, config=config,
-               async_op=async_op)
+    logical = 2 * peer_bytes(world, chunk * tensor.element_size())
+    return run(group, "all_reduce", tensor=tensor, numel=numel, logical=logical,
+               exact=run_exact, compressed=compressed, agreed_exact=agreed_exact,
+               result=[tensor], op=op, config=config, async_op=async_op)

@@ -347,6 +347,17 @@ def comm_config_from_env(
     )
 
 
+def comm_config_or_error(env: Mapping[str, str] | None = None) -> tuple[CommConfig, str | None]:
+    """(:func:`comm_config_from_env`, None), or (the default config, why the environment
+    gives none): a group's members agree on their configs, and a rank that cannot read
+    its own posts the reason in its place, so that every rank names it at once
+    (:mod:`qcomm.handshake`) rather than waiting out a timeout for this one."""
+    try:
+        return comm_config_from_env(env), None
+    except ValueError as err:
+        return CommConfig(), str(err)
+
+
 # Every variable comm_config_from_env reads, the source of the keys env_from_keys takes.
 VARIABLES: tuple[str, ...] = (
     "QCOMM_BITS", "QCOMM_BUCKET", "QCOMM_SCHEME", "QCOMM_NORM", "QCOMM_ROUNDING",

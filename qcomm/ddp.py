@@ -35,4 +35,15 @@ def ddp_comm_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.
                         f"qcomm.CommConfig or a process group, got {type(state).__name__}")
     tensor = bucket.buffer()
     work = C.all_reduce(tensor, dist.ReduceOp.AVG, group, config=config, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    # the bucket itself, or the call's own error (a refusal stays a Refused: ``then``
+    # would wrap it in a RuntimeError)
+    done: torch.futures.Future = torch.futures.Future()
+
+    def finished(fut) -> None:
+        try:
+            done.set_result(fut.value()[0])
+        except Exception as err:  # noqa: BLE001 (delivered through the future)
+            done.set_exception(err)
+
+    work.get_future().add_done_callback(finished)
+    return done

@@ -7,6 +7,7 @@ group through :mod:`qcomm.collectives`, FSDP2's per-module collectives through
 
     first call of a plain or wrapped group: the config agreement (handshake)
     which QuantConfig (the call's, or the group's for this kind)
+    bits=auto's kind, CPU group -> _run_agreed: every call agreed, exact ones too
     compressible?  no  -> stats (exact), exact()               -> its Work / None
                    yes -> under the group's lock:
                             call index (compressed calls done before it)
@@ -15,6 +16,14 @@ group through :mod:`qcomm.collectives`, FSDP2's per-module collectives through
                           stats (compressed, wire bytes)       -> a Work / None
                           (async_op: run on the group's worker (CPU) or stream (CUDA),
                           its Work returned at once: qcomm.engine)
+
+Under bits=auto on a CPU group (:func:`_run_agreed`), the way a call goes is decided
+from the group's model, the same on every rank, and written in its descriptor beside
+its kind, elements, dtype, op and config; the descriptors are compared before any
+payload or exact call moves, so ranks that disagree on any of them are refused alike,
+whichever way each would have gone. Exact calls of a kind the group could compress
+are agreed too (small ones riding in the envelope: no exchange more), and auto's state
+changes only once a call has passed its check.
 
 Seeds: one per payload, distinct per (call index, slot), where the algorithm's slot
 tells the phases, ranks and chunks of a call apart; the same on every rank for a given
@@ -33,7 +42,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -44,8 +52,9 @@ from torch.distributed import ReduceOp
 from . import auto, handshake, purpose
 from . import inner as I
 from .codec import FLOAT_DTYPES, codec_options
-from .config import CommConfig, QuantConfig, comm_config_from_env
+from .config import CommConfig, QuantConfig, comm_config_or_error
 from .engine import AsyncWork, Engine, on_side_stream
+from .layout import PATH_COMPRESSED, PATH_EXACT, PATH_UNDECIDED
 from .stats import CollectiveStats, Stats
 from .topology import (
     EXACT,
@@ -108,8 +117,13 @@ class GroupState:
     move to connections of their own at its first call."""
 
     def __init__(self, config: CommConfig, inner, *, subgroups: Subgroups | None = None,
-                 nodes: list[str] | None = None, connect: bool = False) -> None:
+                 nodes: list[str] | None = None, connect: bool = False,
+                 error: str | None = None) -> None:
         self.config = config
+        # Why this rank has no config of its own (a bad QCOMM_* value; ``config`` is then
+        # the default): posted in its place at the config agreement, which every rank
+        # then refuses naming it (qcomm.handshake)
+        self.error = error
         # The group's size, asked once: ProcessGroup.size() costs ~2.5 us a call through
         # pybind, and an exact call asked it four times (bench/experiments/exact_path.py at f72c4cf)
         self.world = inner.size() if inner is not None else 1
@@ -163,6 +177,8 @@ class GroupState:
         :meth:`qcomm.topology.Subgroups.own`, where the group's store is known); every
         rank must hold this config (:meth:`qcomm.handshake.Agreement.agree_config`),
         whose exchange also tells every rank each member's node (the plan)."""
+        if self.world == 1 and self.error is not None:
+            raise ValueError(f"qcomm: {self.error}")
         if self.agreement.config or self.world == 1:
             return
         with self.lock:
@@ -172,7 +188,7 @@ class GroupState:
                 self.inner = self.subgroups.own(group.rank(), group.size())
             self.connect = False
             keys = self.agreement.agree_config(self.inner, self.config, kind, device,
-                                               self.record_control)
+                                               self.record_control, self.error)
             self.learn_topology(keys, self.inner.rank())
 
     def use_inner(self, inner) -> None:
@@ -201,9 +217,20 @@ class GroupState:
                 f"collectives had started, which may leave the ranks out of step: "
                 f"{self.failed}") from self.failed
 
-    def record_control(self, kind: str, nbytes: int) -> None:
-        """Control bytes sent to every peer alike (descriptors, agreement)."""
-        self.stats.record_control(kind, nbytes, split_intra(self, nbytes))
+    def record_control(self, kind: str, nbytes: int, group=None) -> None:
+        """Control bytes sent to every peer of ``group`` alike (descriptors, the
+        agreement, auto's probes), counted against the link they crossed: all of them
+        on the node for the two-level plan's node group, none for its group across
+        nodes, else (the group's own inner group) the share of the peers on this
+        rank's node."""
+        made = self.subgroups.made if self.subgroups is not None else None
+        if made is not None and group is made[0]:
+            intra = nbytes
+        elif made is not None and group is made[1]:
+            intra = 0
+        else:
+            intra = split_intra(self, nbytes)
+        self.stats.record_control(kind, nbytes, intra)
 
     def fail(self, err: BaseException) -> None:
         """Fail the group for good (the first failure is the one named)."""
@@ -226,9 +253,12 @@ def group_state(group, config: CommConfig | None = None) -> GroupState:
         with _plain_lock:
             state = _plain_states.get(group)
             if state is None:
+                error = None  # a bad QCOMM_* value: refused at the config agreement
+                if config is None:
+                    config, error = comm_config_or_error()
                 state = _plain_states[group] = GroupState(
-                    comm_config_from_env() if config is None else config, group,
-                    subgroups=plain_subgroups(group), connect=True)
+                    config, group, subgroups=plain_subgroups(group), connect=True,
+                    error=error)
                 return state
     if config is not None and config != state.config:
         raise ValueError(f"qcomm: the group already runs {state.config!r}; asked for "
@@ -397,7 +427,8 @@ def finish(work, async_op: bool, kind: str, rank: int, divide=None):
 
 @dataclass
 class Call:
-    """One compressed collective, as :func:`run` hands it to an algorithm."""
+    """One collective the driver runs through an algorithm (compressed; or, under
+    bits=auto, exact after its agreement), as :func:`run` hands it over."""
 
     kind: str  # "all_gather", "reduce_scatter" or "all_reduce"
     inner: object  # the group that moves the bytes
@@ -409,6 +440,11 @@ class Call:
     # The codec keywords of this call's payloads (impl, warps: GroupState.codec_for
     # the tensor's device): every codec call passes them.
     codec: dict = field(default_factory=dict)
+    # The way its descriptor says it goes (layout.PATHS: compressed, or under bits=auto
+    # exact or undecided), and whether every rank has agreed on it already (auto's
+    # first call, agreed before its model was measured): then no second check.
+    path: int = PATH_COMPRESSED
+    agreed: bool = False
 
     def seed(self, slot: int) -> int:
         """The seed of this call's payload ``slot`` (see the module docstring)."""
@@ -420,11 +456,14 @@ class Call:
 
     def check_descriptors(self, numel: int, dtype: torch.dtype, op, device: torch.device,
                           body: int = 0):
-        """Start the call's descriptor check (None on CUDA): finish it before sending.
-        ``body``: the bytes of payloads that may ride in its envelope
-        (:class:`qcomm.handshake.DescriptorCheck`)."""
+        """Start the call's descriptor check (None on CUDA, or where the call is agreed
+        already): finish it before sending. ``body``: the bytes of payloads that may
+        ride in its envelope (:class:`qcomm.handshake.DescriptorCheck`)."""
+        if self.agreed:
+            return None
         return self.state.agreement.check_call(self.inner, self.state, self.kind, numel,
-                                               dtype, self.q, op, self.index, device, body)
+                                               dtype, self.q, op, self.index, device, body,
+                                               self.path)
 
     def check_received(self, rows: torch.Tensor, numel: int, dtype: torch.dtype,
                        skip: int | None = None) -> None:
@@ -444,7 +483,8 @@ class Call:
 
     def on(self, inner, rank: int, world: int) -> Call:
         """This call's view of a subgroup (the same index, config and seeds)."""
-        return Call(self.kind, inner, self.state, self.q, self.index, rank, world, self.codec)
+        return Call(self.kind, inner, self.state, self.q, self.index, rank, world, self.codec,
+                    self.path, self.agreed)
 
     def flat_bytes(self, wire: int) -> tuple[int, int]:
         """(wire, intra) of a one-level exchange that sends every peer alike."""
@@ -470,20 +510,26 @@ def split_intra(state: GroupState, nbytes: int) -> int:
 
 
 def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exact,
-        compressed, result, op=None, config=None, can_compress: bool = True,
+        compressed, agreed_exact, result, op=None, config=None, can_compress: bool = True,
         async_op: bool = False, keep=()):
-    """Run one collective on ``group``: compressed where it can be, else ``exact()``.
+    """Run one collective on ``group``: compressed where it can be, else exact.
 
     ``tensor`` and ``numel`` decide compressibility (:func:`compressible`), ``logical``
-    is the bytes the exact collective would send (stats), ``exact()`` runs the
+    is the bytes the exact collective would send (stats), ``exact(async_op)`` runs the
     passthrough and returns its result (:func:`finish`), ``compressed(call)`` runs the
     algorithm and returns (wire bytes, those of them sent inside this rank's node),
-    ``result`` is what a compressed async call's Work holds (``keep``: the inputs not in
-    ``tensor`` or ``result``, which a CUDA call's stream must keep alive). ``config`` as
-    :func:`quant_config`; ``can_compress=False`` forces exact, and so do the group's
-    plan (members on one node, :mod:`qcomm.topology`) and its purpose
-    (:mod:`qcomm.purpose`: ``qcomm.exact()``, a mesh dimension that is not
+    ``agreed_exact(call)`` is bits=auto's exact path on a CPU group (its descriptor
+    checked first, the exact bytes riding in its envelope where they fit: likewise
+    (wire, intra)), ``result`` is what an async call's Work holds (``keep``: the
+    inputs not in ``tensor`` or ``result``, which a CUDA call's stream must keep
+    alive). ``config`` as :func:`quant_config`; ``can_compress=False`` forces exact,
+    and so do the group's plan (members on one node, :mod:`qcomm.topology`) and its
+    purpose (:mod:`qcomm.purpose`: ``qcomm.exact()``, a mesh dimension that is not
     data-parallel).
+
+    Under bits=auto (the call's kind in the config's ``auto``) on a CPU group, every
+    call the group could compress is agreed before any payload or exact call moves:
+    :func:`_run_agreed`.
     """
     group = I.default(group)
     state = group_state(group)
@@ -493,32 +539,30 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
     if state.subgroups is not None:
         state.subgroups.follow()  # the served group's timeout, where it changed
     state.agree(group, kind, tensor.device)
-    inner = state.inner
     q = quant_config(kind, state, config)
-    may = (can_compress and state.plan != EXACT and purpose.may_compress(state)
-           and compressible(tensor, numel, state.world, q, state.config.min_numel, op))
-    predicted = None  # auto's (exact, compressed) seconds, where it decides
+    may = (can_compress and q is not None and state.world > 1 and state.plan != EXACT
+           and purpose.may_compress(state))
     # auto: the call's own CommConfig says (the DDP hook's state), else the group's
-    auto = (config if isinstance(config, CommConfig) else state.config).auto
-    if may and kind in auto:
+    auto_kinds = (config if isinstance(config, CommConfig) else state.config).auto
+    decides = may and kind in auto_kinds
+    may = may and compressible(tensor, numel, state.world, q, state.config.min_numel, op)
+    if decides and tensor.device.type == "cpu":
+        return _run_agreed(state, kind, tensor, numel, op, q, may, logical, compressed,
+                           agreed_exact, result, async_op)
+    predicted = None  # auto's (exact, compressed) seconds, where it decides
+    if may and decides:  # a CUDA group: no descriptors, its calls cannot be refused
         may, *predicted = decide(state, kind, numel, tensor, q)
     if not may:
         state.stats.record(kind, compressed=False, logical=logical, wire=logical,
                            intra=split_intra(state, logical), predicted=predicted)
         state.engine.drain()  # the inner group's calls in every rank's same order
-        if predicted is None or async_op:
-            return exact()
-        start = time.perf_counter()
-        got = exact()
-        state.auto.observe(kind, False, numel, tensor.dtype, time.perf_counter() - start,
-                           predicted[0])
-        return got
-    rank, codec = inner.rank(), state.codec_for(tensor.device)
+        return exact(async_op)
+    rank, codec = state.inner.rank(), state.codec_for(tensor.device)
 
     def body() -> None:
         state.check_failed()  # a call queued behind one that failed
         with state.lock, torch.no_grad():
-            call = Call(kind, inner, state, q, state.calls, rank, state.world, codec)
+            call = Call(kind, state.inner, state, q, state.calls, rank, state.world, codec)
             try:
                 wire, intra = compressed(call)
             except handshake.Refused:
@@ -530,6 +574,12 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
         state.stats.record(kind, compressed=True, logical=logical, wire=wire, intra=intra,
                            predicted=predicted)
 
+    return _issue(state, body, tensor, result, async_op, keep)
+
+
+def _issue(state: GroupState, body, tensor: torch.Tensor, result, async_op: bool, keep=()):
+    """Run ``body``: an async call on the group's worker (CPU: its Work returned at once)
+    or stream (CUDA), a synchronous one here, after the calls in flight."""
     if async_op and state.config.asynchronous:
         if tensor.device.type == "cpu":
             return state.engine.submit(body, result)  # qcomm.engine: off the caller's thread
@@ -540,26 +590,88 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
     side = state.streams.get(tensor.device.index) if tensor.device.type == "cuda" else None
     if side is not None:  # after the async calls still on qcomm's stream (shared state)
         torch.cuda.current_stream(tensor.device).wait_stream(side)
-    start = time.perf_counter()
     body()
-    if predicted is not None and tensor.device.type == "cpu":
-        state.auto.observe(kind, True, numel, tensor.dtype, time.perf_counter() - start,
-                           predicted[1])
     return I.completed_work(result) if async_op else None
+
+
+def _run_agreed(state: GroupState, kind: str, tensor: torch.Tensor, numel: int, op,
+                q: QuantConfig, decidable: bool, logical: int, compressed, agreed_exact,
+                result, async_op: bool):
+    """One bits=auto call on a CPU group, whose every call of an auto kind is agreed.
+
+    ``decidable``: this rank's call is compressible (:func:`compressible`); auto decides
+    it from the group's model (the same on every rank), else it goes exact. The call's
+    descriptor carries its way (compressed or exact) beside its kind, elements, dtype,
+    op and config, and is checked before any payload or exact call moves: ranks that
+    disagree on any of them, or on the way, are refused alike (:class:`Refused`) and
+    nothing changes, auto's state included. The exact bytes of a small call ride in
+    its envelope (:mod:`qcomm.envelope`): no exchange more than the exact call.
+
+    The model is measured at the first decidable call, once every rank has agreed on it
+    (an undecided descriptor), so a call refused there measures nothing. What steers a
+    decision changes only once a call has passed its check, on every rank alike
+    (:meth:`qcomm.auto.Model.commit`); every committed call's time, async or not, is
+    observed, and a due refresh runs after it. A failure anywhere in it, the model's
+    probes included, fails the group."""
+    device, dtype = tensor.device, tensor.dtype
+    rank, codec = state.inner.rank(), state.codec_for(device)
+
+    def body() -> None:
+        state.check_failed()  # a call queued behind one that failed
+        with state.lock, torch.no_grad():
+            model, agreed, predicted = state.auto, False, None
+            try:
+                if decidable and model is None:
+                    first = Call(kind, state.inner, state, q, state.calls, rank, state.world,
+                                 codec, PATH_UNDECIDED)
+                    first.check_descriptors(numel, dtype, op, device).finish()
+                    model = state.auto = _calibrate(state, kind, device, q)
+                    agreed = True
+                compress = False
+                if decidable:
+                    compress, *predicted = model.choose(kind, numel, dtype, q)
+                call = Call(kind, state.inner, state, q, state.calls, rank, state.world,
+                            codec, PATH_COMPRESSED if compress else PATH_EXACT, agreed)
+                start = auto.clock()
+                wire, intra = compressed(call) if compress else agreed_exact(call)
+                seconds = auto.clock() - start
+                if compress:
+                    state.calls += 1
+                if predicted is not None:
+                    model.commit(kind, numel, dtype, q, compress)
+                    model.observe(kind, compress, numel, dtype, seconds, predicted[compress])
+                    if model.due(kind):
+                        auto.refresh(state, model, kind, device)
+            except handshake.Refused:
+                raise  # every rank refused it alike, before any payload: still in step
+            except BaseException as err:
+                state.fail(err)
+                raise
+        state.stats.record(kind, compressed=compress, logical=logical, wire=wire, intra=intra,
+                           predicted=predicted)
+
+    return _issue(state, body, tensor, result, async_op)
+
+
+def _calibrate(state: GroupState, kind: str, device: torch.device,
+               q: QuantConfig) -> auto.Model:
+    """bits=auto's model of ``state``'s group, for the QuantConfigs of its auto kinds
+    (``q`` where it has none: a call's own config made the call auto)."""
+    configs = [getattr(state.config, k) for k in state.config.auto]
+    return auto.calibrate(state, kind, device, [c for c in configs if c is not None] or [q])
 
 
 def decide(state: GroupState, kind: str, numel: int, tensor: torch.Tensor,
            q: QuantConfig) -> tuple[bool, float, float]:
-    """bits=auto's choice for one call (:mod:`qcomm.auto`): (compress?, predicted exact
-    and compressed seconds). The group's model is measured at its first decided call
-    and refreshed from observed times (:func:`qcomm.auto.refresh`), each a collective on the
-    inner group at the same call on every rank, after the calls in flight."""
+    """bits=auto's choice for one call of a CUDA group (:mod:`qcomm.auto`), whose calls
+    exchange no descriptor: (compress?, predicted exact and compressed seconds). The
+    group's model is measured at its first decided call and refreshed from observed
+    times (:func:`qcomm.auto.refresh`), each a collective on the inner group at the
+    same call on every rank, after the calls in flight."""
     model = state.auto
     if model is None:
         state.engine.drain()
-        configs = [getattr(state.config, k) for k in state.config.auto]
-        model = state.auto = auto.calibrate(state, kind, tensor.device,
-                                            [c for c in configs if c is not None] or [q])
+        model = state.auto = _calibrate(state, kind, tensor.device, q)
     if model.due(kind):
         state.engine.drain()
         auto.refresh(state, model, kind, tensor.device)

@@ -10,15 +10,21 @@ alike (:class:`Refused`): the outputs stay unwritten and the group usable. The f
 runs after the payloads moved: the group fails for good (:mod:`qcomm.driver`).
 
 1. **At creation** (:func:`check_at_creation`): groups made by ``init_process_group``
-   / ``new_group`` compare their :class:`~qcomm.CommConfig` through the store.
-2. **At the first collective** (:meth:`Agreement.agree_config`): groups made by
-   ``qcomm.wrap`` and plain groups used through the direct calls all-gather a config
-   fingerprint once.
-3. **Every compressed call on a CPU group** (:meth:`Agreement.check_call`): each rank
-   sends every peer a 48-byte descriptor (size, dtype, config, collective, op, call
-   index; drawn in qcomm/layout.py) and compares those it receives before the payloads
-   move. A check only on the first call per shape would be unsound: a rank that has
-   seen its shape skips it while a rank on a new shape does not, and the mismatched
+   / ``new_group`` / ``qcomm.wrap`` compare their :class:`~qcomm.CommConfig` through the
+   store.
+2. **At the first collective** (:meth:`Agreement.agree_config`): plain groups used
+   through the direct calls or the hooks (and a wrap of a group torch has no store
+   for) all-gather a config fingerprint once.
+
+   In both, a rank that cannot read its ``QCOMM_*`` environment posts why in place of
+   its config, so every rank raises at once naming the variable and the rank.
+3. **Every compressed call on a CPU group** (:meth:`Agreement.check_call`), and under
+   bits=auto every call of its kinds the group could compress, exact ones too: each rank
+   sends every peer a 48-byte descriptor (size, dtype, config, collective, op, the
+   way it goes, call index; drawn in qcomm/layout.py) and compares those it receives
+   before the payloads, or the exact call, move. A check only on the first call per
+   shape would be unsound: a rank that has seen its shape skips it while a rank on a
+   new shape does not, and the mismatched
    messages abort gloo just the same. The descriptors travel in an envelope
    (:mod:`qcomm.envelope`, the transport): a small call's payloads ride in the same
    exchange, a call that does not ride starts it before its quantize so its latency
@@ -61,8 +67,8 @@ class Refused(ValueError):
 # 1. At creation, through the store
 
 
-def check_at_creation(store, rank: int, size: int, config: CommConfig,
-                      node: str = "") -> list[str]:
+def check_at_creation(store, rank: int, size: int, config: CommConfig | None,
+                      node: str = "", error: str | None = None) -> list[str]:
     """Every rank must run the same config, compared through the store once at group
     creation, so that a rank started with other ``QCOMM_*`` variables fails
     ``init_process_group`` / ``new_group`` on every rank, with the same error naming
@@ -71,8 +77,10 @@ def check_at_creation(store, rank: int, size: int, config: CommConfig,
     that compared with rank 0 alone would miss a mismatch between two others and
     build a group whose first call fails). Each rank also posts its ``node`` key;
     returns every rank's, in rank order (the same list on every rank:
-    :class:`qcomm.topology.Topology`)."""
-    mine = repr(config.shared())
+    :class:`qcomm.topology.Topology`). ``error``: why this rank has no config (a bad
+    ``QCOMM_*`` value), posted in its place, so that every rank raises at once naming the
+    variable and the rank, none waits out the store's timeout for a config never posted."""
+    mine = ERROR_MARK + error if error is not None else repr(config.shared())
     # A store outlives its groups (torchrun's agent store; init_process_group after
     # destroy_process_group reuses the group name): each rank counts the groups it made
     # on this store, and ranks compare under that count. Unnumbered, a rank could read a
@@ -82,19 +90,38 @@ def check_at_creation(store, rank: int, size: int, config: CommConfig,
     store.set(f"qcomm/config/{made}/{rank}", mine)
     verdict = f"qcomm/verdict/{made}"
     if rank == 0:
-        configs = _read_all(store, [f"qcomm/config/{made}/{r}" for r in range(size)])
-        bad = [r for r, theirs in enumerate(configs) if theirs != mine]
-        said = "" if not bad else (
-            f"qcomm config differs between ranks: rank 0 has {mine}, rank {bad[0]} has "
-            f"{configs[bad[0]]}" + (f" (and ranks {bad[1:]} differ from rank 0 too)"
-                                    if len(bad) > 1 else "")
-            + " (check the QCOMM_* environment variables)")
+        said = verdict_of(_read_all(store, [f"qcomm/config/{made}/{r}" for r in range(size)]),
+                          "check the QCOMM_* environment variables")
         store.set(verdict, said)
     else:
         said = store.get(verdict).decode()
     if said:
         raise ValueError(said)
     return _read_all(store, [f"qcomm/node/{made}/{r}" for r in range(size)])
+
+
+# What a rank that has no config posts in its place, before the reason.
+ERROR_MARK = "error: "
+
+
+def verdict_of(configs: list[str], hint: str, same: list[bool] | None = None) -> str:
+    """The verdict on every rank's posted config (in rank order; ``same[r]``: whether
+    rank r's equals rank 0's, default by the text): "" where all do; else the words
+    every rank raises: the first rank that could not read its environment and why, or
+    the first that differs from rank 0, both named."""
+    broken = [r for r, c in enumerate(configs) if c.startswith(ERROR_MARK)]
+    if broken:
+        r = broken[0]
+        more = f" (ranks {broken[1:]} could not either)" if len(broken) > 1 else ""
+        return (f"qcomm: rank {r} cannot use its qcomm environment: "
+                f"{configs[r][len(ERROR_MARK):]}{more}")
+    same = same or [theirs == configs[0] for theirs in configs]
+    bad = [r for r, equal in enumerate(same) if not equal]
+    if not bad:
+        return ""
+    more = f" (and ranks {bad[1:]} differ from rank 0 too)" if len(bad) > 1 else ""
+    return (f"qcomm config differs between ranks: rank 0 has {configs[0]}, rank {bad[0]} "
+            f"has {configs[bad[0]]}{more} ({hint})")
 
 
 def _read_all(store, keys: list[str]) -> list[str]:
@@ -113,14 +140,15 @@ def _read_all(store, keys: list[str]) -> list[str]:
 NODE_NBYTES = 192  # a node key's room in the config blob (hostnames are <= 64 bytes)
 
 
-def _config_blob(config: CommConfig, node: str) -> bytes:
+def _config_blob(config: CommConfig, node: str, error: str | None = None) -> bytes:
     """sha256 hex of the config (64 bytes), the node key (NODE_NBYTES, zero-padded),
-    then the config's repr, for the message; CONFIG_NBYTES in all."""
+    then the config's repr, for the message; CONFIG_NBYTES in all. ``error``: why this
+    rank has no config, posted in its place (:data:`ERROR_MARK`)."""
     key = node.encode()
     if len(key) > NODE_NBYTES:
-        raise ValueError(f"qcomm node key {node!r} is longer than {NODE_NBYTES} bytes "
-                         "(QCOMM_NODE)")
-    text = repr(config.shared()).encode()
+        error = error or (f"QCOMM_NODE={node!r} is longer than {NODE_NBYTES} bytes")
+        key = b""
+    text = (ERROR_MARK + error if error is not None else repr(config.shared())).encode()
     blob = hashlib.sha256(text).hexdigest().encode() + key.ljust(NODE_NBYTES, b"\0") + text
     return blob[:CONFIG_NBYTES].ljust(CONFIG_NBYTES, b"\0")
 
@@ -211,44 +239,42 @@ class Agreement:
         self.checked: set = set()
 
     def agree_config(self, inner, config: CommConfig, kind: str, device: torch.device,
-                     record) -> list[str]:
+                     record, error: str | None = None) -> list[str]:
         """Every rank of ``inner`` must hold the same :class:`CommConfig`, or ranks would
         choose differently between compressed and exact calls: one all-gather of a
         config fingerprint (``record(kind, nbytes)`` counts its bytes), compared with
-        rank 0's so that every rank raises the same words (:class:`Refused`). The same
-        exchange tells every rank each member's node: returns the node keys, in rank
-        order."""
+        rank 0's so that every rank raises the same words (:class:`Refused`); a rank
+        that could not read its environment posts ``error`` in its place, named by
+        every rank. The same exchange tells every rank each member's node: returns the
+        node keys, in rank order."""
         world, rank = inner.size(), inner.rank()
-        mine = _config_blob(config, node_key())
+        mine = _config_blob(config, node_key(), error)
         send = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
         recv = torch.empty(world * CONFIG_NBYTES, dtype=torch.uint8, device=device)
         work = I.start(I.all_gather, kind, "the config agreement", rank, inner, recv, send)
         I.wait(work, kind, "the config agreement", rank)
         record(kind, (world - 1) * CONFIG_NBYTES)
-        keys = []
         text = 64 + NODE_NBYTES
         blobs = [bytes(row) for row in recv.view(world, CONFIG_NBYTES).cpu().tolist()]
-        for peer, theirs in enumerate(blobs):
-            if theirs[:64] != blobs[0][:64]:  # against rank 0's: the same words everywhere
-                said = [b[text:].rstrip(bytes(1)).decode(errors="replace")
-                        for b in (blobs[0], theirs)]
-                raise Refused(
-                    f"qcomm config differs between ranks: rank 0 has {said[0]}, rank "
-                    f"{peer} has {said[1]} (check the QCOMM_* environment variables, or "
-                    "the config given to qcomm.wrap)")
-            keys.append(theirs[64:text].rstrip(bytes(1)).decode(errors="replace"))
+        # against rank 0's: every rank received the same blobs, so says the same words
+        said = verdict_of([b[text:].rstrip(bytes(1)).decode(errors="replace") for b in blobs],
+                          "check the QCOMM_* environment variables, or the config given to "
+                          "qcomm.wrap", same=[b[:64] == blobs[0][:64] for b in blobs])
+        if said:
+            raise Refused(said)
         self.config = True
-        return keys
+        return [b[64:text].rstrip(bytes(1)).decode(errors="replace") for b in blobs]
 
     def check_call(self, inner, state, kind: str, numel: int, dtype: torch.dtype,
                    q: QuantConfig, op, call: int, device: torch.device,
-                   body: int = 0) -> DescriptorCheck | None:
-        """Start the descriptor exchange of one compressed call (None on CUDA: see the
-        module docstring); ``body``: the payload bytes for each peer that may ride in
-        its envelope (0: none). ``state`` lends its buffers and counters."""
+                   body: int = 0, path: int = 0) -> DescriptorCheck | None:
+        """Start the descriptor exchange of one call (None on CUDA: see the module
+        docstring); ``body``: the payload bytes for each peer that may ride in its
+        envelope (0: none); ``path``: the descriptor's (layout.PATHS: compressed, or
+        under bits=auto exact or undecided). ``state`` lends its buffers and counters."""
         if device.type == "cuda":
             return None
-        desc = layout.encode_descriptor(kind, numel, dtype, q, op_id(op), call)
+        desc = layout.encode_descriptor(kind, numel, dtype, q, op_id(op), call, path)
         return DescriptorCheck(inner, state, self.history, kind, desc, device, body)
 
     def check_received(self, rows: torch.Tensor, numel: int, dtype: torch.dtype,

@@ -52,13 +52,17 @@ and compares those it receives (qcomm/handshake.py), so ranks that disagree on t
 dtype, config, collective, op or call index get an error instead of mismatched messages
 (gloo aborts the process on those)::
 
-    offset 0                    32     33     34           40                48
-    +---------------------------+------+------+------------+-----------------+
-    | the payload header above  | kind | op   | reserved 0 | call index      |
-    | (all-reduce: whole tensor)| u8   | u8   | 6 bytes    | uint64 LE       |
-    +---------------------------+------+------+------------+-----------------+
+    offset 0                    32     33     34     35           40                48
+    +---------------------------+------+------+------+------------+-----------------+
+    | the payload header above  | kind | op   | path | reserved 0 | call index      |
+    | (all-reduce: whole tensor)| u8   | u8   | u8   | 5 bytes    | uint64 LE       |
+    +---------------------------+------+------+------+------------+-----------------+
     kind: 1 all-gather, 2 reduce-scatter, 3 all-reduce
     op:   the reduce op's RedOpType value, 255 for an all-gather
+    path: 0 compressed; under bits=auto (which agrees every call of its kinds, exact
+          ones too) 1 exact, 2 not yet decided (the call that measures the model)
+    dtype (header byte 6): the payload dtypes above, or for an exact call under
+          bits=auto any other dtype, 16 + its index in EXACT_DTYPES (255: none of them)
     call index: the compressed calls this group has made before this one
 """
 
@@ -246,17 +250,36 @@ KIND_NAMES = {v: k for k, v in KIND_IDS.items()}
 NO_OP = 255  # the descriptor's op byte of an all-gather
 
 
+PATHS = ("compressed", "exact", "undecided")  # the descriptor's path byte, by value
+PATH_COMPRESSED, PATH_EXACT, PATH_UNDECIDED = range(len(PATHS))
+# The dtypes an exact call under bits=auto may carry besides the payload dtypes: its
+# descriptor's dtype byte is 16 + the index here (no payload ever holds them).
+EXACT_DTYPES = (torch.float64, torch.int64, torch.int32, torch.int16, torch.int8,
+                torch.uint8, torch.bool, torch.complex64, torch.complex128,
+                torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32,
+                torch.uint64)
+DESC_DTYPE_IDS = {**DTYPE_IDS, **{d: 16 + i for i, d in enumerate(EXACT_DTYPES)}}
+DESC_DTYPES = {v: k for k, v in DESC_DTYPE_IDS.items()}
+OTHER_DTYPE = 255
+
+
 def encode_descriptor(kind: str, numel: int, dtype: torch.dtype, config, op_id: int,
-                      call: int) -> bytes:
-    """The 48-byte descriptor of one compressed call (drawn above)."""
-    return (encode_header(numel, dtype, config) + bytes([KIND_IDS[kind], op_id]) + bytes(6)
+                      call: int, path: int = 0) -> bytes:
+    """The 48-byte descriptor of one call (drawn above)."""
+    header = bytearray(encode_header(numel, torch.float32, config))
+    header[6] = DESC_DTYPE_IDS.get(dtype, OTHER_DTYPE)
+    return (bytes(header) + bytes([KIND_IDS[kind], op_id, path]) + bytes(5)
             + (call & ((1 << 64) - 1)).to_bytes(8, "little"))
 
 
 def decode_descriptor(desc: bytes) -> dict:
-    """Parse a descriptor: the header's fields plus ``kind``, ``op_id`` and ``call``;
-    ``ValueError`` if it is not one (its header or kind byte is not qcomm's)."""
-    if len(desc) != DESC_NBYTES or desc[32] not in KIND_NAMES:
+    """Parse a descriptor: the header's fields plus ``kind``, ``op_id``, ``path`` and
+    ``call``; ``ValueError`` if it is not one (its header or kind byte is not qcomm's)."""
+    if (len(desc) != DESC_NBYTES or desc[32] not in KIND_NAMES or desc[34] >= len(PATHS)
+            or (desc[6] not in DESC_DTYPES and desc[6] != OTHER_DTYPE)):
         raise ValueError(f"not a qcomm call descriptor (first bytes {bytes(desc[:8])!r})")
-    return {**decode_header(desc[:HEADER_NBYTES]), "kind": KIND_NAMES[desc[32]],
-            "op_id": desc[33], "call": int.from_bytes(desc[40:48], "little")}
+    header = bytearray(desc[:HEADER_NBYTES])
+    header[6] = 0  # the dtype is the descriptor's own (a superset of the header's)
+    return {**decode_header(bytes(header)), "dtype": DESC_DTYPES.get(desc[6], "other"),
+            "kind": KIND_NAMES[desc[32]], "op_id": desc[33], "path": PATHS[desc[34]],
+            "call": int.from_bytes(desc[40:48], "little")}

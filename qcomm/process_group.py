@@ -25,7 +25,7 @@ from torch.distributed import ReduceOp
 from . import collectives as C
 from . import driver, functional, handshake, purpose
 from . import inner as I
-from .config import CommConfig, QuantConfig, as_comm_config, comm_config_from_env, node_key
+from .config import CommConfig, QuantConfig, as_comm_config, comm_config_or_error, node_key
 from .engine import Works
 from .topology import Subgroups, plain_subgroups
 
@@ -58,6 +58,14 @@ def _async(opts) -> bool:
     return bool(getattr(opts, "asyncOp", True)) if opts is not None else True
 
 
+def _check_all(fn: str, **tensors) -> None:
+    """A list form's tensors by argument, each checked as the flat forms' are
+    (:func:`qcomm.collectives.check_tensor`)."""
+    for name, ts in tensors.items():
+        for t in ts:
+            C.check_tensor(name, t, fn)
+
+
 def _is_flat_form(outs: list[torch.Tensor], like: torch.Tensor, world: int) -> bool:
     """Whether a list form is the flat form in disguise: ``world`` contiguous tensors of
     ``like``'s size, dtype and device."""
@@ -74,15 +82,15 @@ class QcommProcessGroup(dist.ProcessGroup):
     def __init__(self, inner: dist.ProcessGroup, config: CommConfig, *,
                  owns_inner: bool = True, exact: bool = False,
                  subgroups: Subgroups | None = None, nodes: list[str] | None = None,
-                 state: driver.GroupState | None = None) -> None:
-        """``subgroups`` and ``nodes`` as :class:`qcomm.driver.GroupState`'s; ``state``:
-        another group's (an exact twin shares its group's: the same inner group, call
-        order and seeds)."""
+                 state: driver.GroupState | None = None, error: str | None = None) -> None:
+        """``subgroups``, ``nodes`` and ``error`` as :class:`qcomm.driver.GroupState`'s;
+        ``state``: another group's (an exact twin shares its group's: the same inner
+        group, call order and seeds)."""
         if not isinstance(config, CommConfig):
             raise TypeError(f"config must be a qcomm.CommConfig, got {config!r}")
         super().__init__(inner.rank(), inner.size())
         self._qcomm_state = state if state is not None else driver.GroupState(
-            config, inner, subgroups=subgroups, nodes=nodes)
+            config, inner, subgroups=subgroups, nodes=nodes, error=error)
         self._owns_inner = owns_inner
         self._qcomm_name: str | None = None
         self._qcomm_desc = "undefined"
@@ -193,6 +201,7 @@ class QcommProcessGroup(dist.ProcessGroup):
         works = []
         with self._purpose():
             for outs, inp in zip(output_tensors, input_tensors, strict=True):
+                _check_all("allgather", input=[inp], output=outs)
                 exact = self._exact_allgather(outs, inp)
                 works.append(C.gather_into(
                     self, list(outs), None, inp, async_op=True, exact=exact,
@@ -234,6 +243,7 @@ class QcommProcessGroup(dist.ProcessGroup):
         works = []
         with self._purpose():
             for out, chunks in zip(output_tensors, input_tensors, strict=True):
+                _check_all("reduce_scatter", output=[out], input=chunks)
                 works.append(C.scatter_from(
                     self, out, list(chunks), None, op, async_op=True,
                     exact=self._exact_reduce_scatter(out),
@@ -339,13 +349,14 @@ def _create(opts, pg_options=None) -> QcommProcessGroup:
     backend options, passed to the inner backend they are made for)."""
     store, rank, size, timeout = opts.store, opts.group_rank, opts.group_size, opts.timeout
     I.check_options(pg_options)
-    config = comm_config_from_env()  # a bad QCOMM_* value fails here, naming it
+    # a bad QCOMM_* value is posted as this rank's config: every rank raises, naming it
+    config, error = comm_config_or_error()
+    nodes = handshake.check_at_creation(store, rank, size, config, node_key(), error)
     inner = I.make_inner(store, rank, size, timeout, config.inner, options=pg_options)
-    nodes = handshake.check_at_creation(store, rank, size, config, node_key())
     # nodes: just agreed, no exchange at the first collective; the subgroups follow
     # dist.set_timeout, which lands on inner
-    return QcommProcessGroup(inner, config, subgroups=Subgroups(store, inner, config.inner),
-                             nodes=nodes)
+    return QcommProcessGroup(inner, config,
+                             subgroups=Subgroups(store, inner, config.inner, rank), nodes=nodes)
 
 
 def register() -> None:
@@ -369,15 +380,23 @@ def wrap(group=None, config: CommConfig | QuantConfig | None = None) -> QcommPro
     does not know (one not made by ``init_process_group`` / ``new_group``) is shared as
     it is, and the caller must order the two groups' calls."""
     group = I.default(group)
-    config = as_comm_config(config, "qcomm.wrap") or comm_config_from_env()
+    config, error = as_comm_config(config, "qcomm.wrap"), None
+    if config is None:
+        config, error = comm_config_or_error()
     made = getattr(getattr(group, "_qcomm_state", None), "subgroups", None)
-    subgroups = made if made is not None else plain_subgroups(group)
-    inner = I.inner_group(group)
-    owns = False
+    # a qcomm group's subgroups stay its own: a maker of the same store, whose groups
+    # (the two-level plan's) the wrap never shares with the group it wraps
+    subgroups = (made.sibling(group.rank()) if made is not None
+                 else plain_subgroups(group, group.rank()))
+    inner, owns, nodes = I.inner_group(group), False, None
     if subgroups.store is not None and group.size() > 1:
+        # configs and nodes agreed through the store, as a new group's at creation
+        nodes = handshake.check_at_creation(subgroups.store, group.rank(), group.size(),
+                                            config, node_key(), error)
         inner = subgroups.own(group.rank(), group.size())
         owns = True
-    pg = QcommProcessGroup(inner, config, owns_inner=owns, subgroups=subgroups)
+    pg = QcommProcessGroup(inner, config, owns_inner=owns, subgroups=subgroups, nodes=nodes,
+                           error=error)
     name = f"{group.group_name}:qcomm:{id(pg):x}"
     pg._set_group_name(name)
     ranks = dict(_c10d._world.pg_group_ranks.get(group, {r: r for r in range(group.size())}))

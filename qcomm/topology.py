@@ -124,12 +124,13 @@ def log_plan_once(topo: Topology, plan: str, why: str) -> None:
                  len(topo.keys), topo.nodes, why)
 
 
-def plain_subgroups(group) -> Subgroups:
+def plain_subgroups(group, rank: int | None = None) -> Subgroups:
     """The subgroup maker of a plain (gloo, NCCL) group: its store and backend from
-    torch's registry of groups; its connections carry ``group``'s timeout."""
+    torch's registry of groups; its connections carry ``group``'s timeout. ``rank``:
+    made on every rank alike now (:class:`Subgroups`)."""
     backend, store = dist.distributed_c10d._world.pg_map.get(group, (None, None))
     spec = backend if isinstance(backend, str) and backend != "qcomm" else None
-    return Subgroups(store, group, spec)
+    return Subgroups(store, group, spec, rank)
 
 
 def timed_backend(group):
@@ -151,10 +152,14 @@ class Subgroups:
     use (:meth:`get`: ``intra``, this rank's node; ``inter``, the ranks of its local
     index), and a group of all its members on connections of their own (:meth:`own`).
 
-    Every member makes the same groups in the same order (collectives of one group are
-    issued in one order on every rank): each counts them per rank on the store, as
-    :func:`qcomm.handshake.check_at_creation` counts groups, so keys never collide with
-    an earlier group's on the same store.
+    Each maker reserves a namespace of its own on the store, numbered per rank as
+    :func:`qcomm.handshake.check_at_creation` numbers groups, where every rank makes it
+    in the same order: at its group's creation (``rank`` given: ``init_process_group``,
+    ``new_group``, ``qcomm.wrap``), else at its first group (:meth:`own`, at a plain
+    group's first collective through qcomm). Its groups are numbered inside it, in its
+    own group's call order. So two makers on one store (a group and a wrap of it) never
+    meet, whichever thread of which rank makes its groups first (an async call on the
+    worker, a synchronous one on another group beside it).
 
     Every group made here carries the timeout of ``served``, the group whose calls they
     carry (a plain group on the hook route; a qcomm group's inner group, where
@@ -162,13 +167,20 @@ class Subgroups:
     followed when it changes (:meth:`follow`, every call), so a peer that stops raises
     at the served group's timeout, never torch's 30-minute default."""
 
-    def __init__(self, store, served, spec: str | None) -> None:
+    def __init__(self, store, served, spec: str | None, rank: int | None = None) -> None:
         self.store, self.spec = store, spec
         self._source = timed_backend(served) if served is not None else None
         self.timeout = (self._source.options._timeout if self._source is not None
                         else dist.distributed_c10d.default_pg_timeout)
         self._made: tuple | None = None
         self._groups: list = []  # every group made here, for follow()
+        self._space: str | None = None  # the store prefix reserved for this maker
+        if rank is not None and store is not None:
+            self._reserve(rank)
+
+    def _reserve(self, rank: int) -> None:
+        if self._space is None:
+            self._space = f"qcomm/sub/{self.store.add(f'qcomm/subgroups/{rank}', 1)}/"
 
     def follow(self) -> None:
         """Give every group made here the served group's timeout if it changed (~1 us
@@ -189,7 +201,9 @@ class Subgroups:
         return group
 
     def _prefix(self, rank: int) -> str:
-        return f"qcomm/sub/{self.store.add(f'qcomm/subgroups/{rank}', 1)}/"
+        """The next group's store prefix, inside this maker's namespace."""
+        self._reserve(rank)
+        return f"{self._space}{len(self._groups)}/"
 
     def own(self, rank: int, size: int) -> dist.ProcessGroup:
         """A new inner group of the same ``size`` members (this one ``rank``), on
@@ -197,6 +211,20 @@ class Subgroups:
         shares a socket, and so never an order, with the user's calls on the group
         itself (as separate NCCL communicators)."""
         return self._make(self._prefix(rank) + "own/", rank, size)
+
+    def sibling(self, rank: int) -> Subgroups:
+        """A maker on the same store, for the same backend and timeout, whose groups are
+        its own (``rank``: this one's in the group, made now on every rank alike): a
+        group wrapped over this one's must never share a connection with it (their
+        calls would interleave on it)."""
+        other = Subgroups(self.store, None, self.spec, rank)
+        other._source, other.timeout = self._source, self.timeout
+        return other
+
+    @property
+    def made(self) -> tuple | None:
+        """(intra, inter) where :meth:`get` has made them, else None."""
+        return self._made
 
     def get(self, topo: Topology) -> tuple:
         if self._made is None:

@@ -129,17 +129,21 @@ def test_a_trial_is_skipped_where_the_predictions_are_far_apart(monkeypatch):
 
 
 def _auto_body(rank, world):
-    """Two ranks, each its own node, a slow link simulated in the probes (every probe
-    call takes its bytes at 100 Mbit/s on top of its real time; rank 1's probes run 3x
-    slower besides): every rank holds the same model and makes the same decisions; a
-    call auto compresses is the fixed 8-bit group's, byte for byte; every byte the
-    probes handed over is counted."""
+    """Two ranks, each its own node. A group measured for real, with a slow link
+    simulated in the probes (every probe call takes its bytes at 100 Mbit/s on top of
+    its real time; rank 1's probes run 3x slower besides): every rank holds the same
+    model and commits the same decisions, whatever they are (the real times decide
+    them); every byte the probes handed over is counted. A group on a fixed model
+    (tests/test_adversarial.py's: decisions that follow from the calls alone, never
+    from this machine's load): the calls it decides, and a call it compresses is the
+    fixed 8-bit group's, byte for byte."""
+    from test_adversarial import fake_clock, fixed_model
     from test_wire import ByteCounter
 
     import qcomm.auto as A
     import qcomm.inner as I
 
-    real_time = A._Probes._time
+    real_time, real_calibrate = A._Probes._time, A.calibrate
 
     def slow(self, fn, group, *args, to_peers):
         got = real_time(self, fn, group, *args, to_peers=to_peers)
@@ -148,14 +152,13 @@ def _auto_body(rank, world):
     A._Probes._time = slow
     A.FIRST_REFRESH = 4
     A.MIN_OBSERVED = 1
-    decided, real_decide = [], A.Model.decide
+    decided, real_commit = [], A.Model.commit
 
-    def logged(self, kind, numel, dtype, q):
-        got = real_decide(self, kind, numel, dtype, q)
-        decided.append((numel, got[0]))
-        return got
+    def logged(self, kind, numel, dtype, q, compress):
+        decided.append((numel, compress))
+        return real_commit(self, kind, numel, dtype, q, compress)
 
-    A.Model.decide = logged
+    A.Model.commit = logged
     counters, real_make = [], I.make_inner
 
     def counted(*args, **kwargs):
@@ -163,14 +166,36 @@ def _auto_body(rank, world):
         return counters[-1]
 
     I.make_inner = counted
+    sizes = (64 * 1024, 1 << 18, 64, 1 << 18, 1 << 18, 1 << 18, 1 << 18)
+
+    def gathers(group) -> list[torch.Tensor]:
+        outs = []
+        for numel in sizes:
+            out = torch.empty(world * numel)
+            qcomm.all_gather_into_tensor(out, make(rank, numel, salt=numel), group)
+            outs.append(out)
+        return outs
+
+    res = {}
+    measured = qcomm.wrap(dist.group.WORLD, qcomm.CommConfig(auto=True, min_numel=0))
+    res["outs"] = gathers(measured)
+    res["measured_decisions"] = list(decided)
+    res["model"] = qcomm.auto_model(measured)
+    res["calibration_s"] = res["model"].pop("calibration_s")  # this rank's own times
+    res["link_s"] = res["model"].pop("link_calibration_s")
+    # a call's own CommConfig makes it auto on a group whose config is not (DDP's hook)
+    plain = dist.new_group(backend="gloo")
+    t = make(rank, 1 << 16)
+    qcomm.all_reduce(t, group=plain, config=qcomm.CommConfig(auto=True))
+    got = qcomm.stats(plain)["all_reduce"]
+    res["per_call"] = got.auto_exact + got.auto_compressed
+
+    A.calibrate, A.clock = fixed_model, fake_clock()
+    decided.clear()
     auto = qcomm.wrap(dist.group.WORLD, qcomm.CommConfig(auto=True, min_numel=0))
     fixed = qcomm.wrap(dist.group.WORLD, qcomm.CommConfig())
-    res = {"outs": [], "same_bytes": []}
-    for numel in (64 * 1024, 1 << 18, 64, 1 << 18, 1 << 18, 1 << 18, 1 << 18):
-        x = make(rank, numel, salt=numel)
-        out = torch.empty(world * numel)
-        qcomm.all_gather_into_tensor(out, x, auto)
-        res["outs"].append(out)
+    res["fixed_outs"] = gathers(auto)
+    res["decisions"] = list(decided)
     big = make(rank, 1 << 18, salt=1)
     a, f = torch.empty(world << 18), torch.empty(world << 18)
     s = auto._qcomm_state
@@ -182,33 +207,31 @@ def _auto_body(rank, world):
     res["stats"] = (stats.auto_exact, stats.auto_compressed, stats.calls_exact,
                     stats.calls_compressed, stats.predicted_exact_s > 0,
                     stats.predicted_compressed_s > 0)
-    res["model"] = qcomm.auto_model(auto)
-    res["calibration_s"] = res["model"].pop("calibration_s")  # this rank's own times
-    res["link_s"] = res["model"].pop("link_calibration_s")
-    res["decisions"] = list(decided)
-    # a call's own CommConfig makes it auto on a group whose config is not (DDP's hook)
-    plain = dist.new_group(backend="gloo")
-    t = make(rank, 1 << 16)
-    qcomm.all_reduce(t, group=plain, config=qcomm.CommConfig(auto=True))
-    got = qcomm.stats(plain)["all_reduce"]
-    res["per_call"] = got.auto_exact + got.auto_compressed
+    res["fixed_model"] = qcomm.auto_model(auto)
+    A.calibrate = real_calibrate
     res["counted"] = sum(c.to_peers for c in counters)
-    res["wire"] = sum(v.wire_bytes for g in (auto, fixed, plain)
+    res["wire"] = sum(v.wire_bytes for g in (measured, auto, fixed, plain)
                       for v in qcomm.stats(g).values())
     return res
 
 
 def test_every_rank_decides_alike_and_compresses_as_the_fixed_setting():
     r0, r1 = run_ranks(_auto_body, 2, backend="gloo", timeout=180)
-    assert r0["model"] == r1["model"] and r0["decisions"] == r1["decisions"], (r0, r1)
+    # measured: one model and the same committed decisions, whatever this machine's load
+    assert r0["model"] == r1["model"], (r0["model"], r1["model"])
+    assert r0["measured_decisions"] == r1["measured_decisions"], (r0, r1)
+    assert [n for n, _ in r0["measured_decisions"]] == [64 * 1024, 1 << 18, 64] + [1 << 18] * 4
     assert r0["model"]["correction"], r0["model"]  # refreshed (FIRST_REFRESH = 4)
+    for out0, out1 in zip(r0["outs"], r1["outs"], strict=True):
+        assert torch.equal(out0, out1)  # every rank decoded the same bytes
+    # fixed model: 64 elements exact, the rest compressed (no trial of exact: its
+    # prediction is over 2x compressed's)
     decided = r0["decisions"]
-    assert [numel for numel, _ in decided] == [65536] + [1 << 18, 64] + [1 << 18] * 5
-    assert all(compress for numel, compress in decided if numel == 1 << 18), decided
-    # (64 elements: the real latencies and codec decide, which this machine's load moves;
-    # the model's choice of exact for tiny calls is tested above, on a fixed model)
-    ways = [sum(1 for _, c in decided if c is way) for way in (False, True)]
+    assert decided == [(64 * 1024, True), (1 << 18, True), (64, False)] + [(1 << 18, True)] * 4, \
+        decided
+    ways = [sum(1 for _, c in decided + [(1 << 18, True)] if c is way) for way in (False, True)]
     for r in (r0, r1):
+        assert r["decisions"] == decided and r["fixed_model"] == r0["fixed_model"]
         auto_exact, auto_compressed, exact, compressed, pe, pc = r["stats"]
         assert [auto_exact, auto_compressed] == ways and pe and pc, (r["stats"], decided)
         assert (auto_exact, auto_compressed) == (exact, compressed), r["stats"]
@@ -216,5 +239,5 @@ def test_every_rank_decides_alike_and_compresses_as_the_fixed_setting():
         assert r["counted"] == r["wire"], (r["counted"], r["wire"])
         assert r["per_call"] == 1, r
         assert r["calibration_s"] > r["link_s"] > 0, r
-    for out0, out1 in zip(r0["outs"], r1["outs"], strict=True):
-        assert torch.equal(out0, out1)  # every rank decoded the same bytes
+    for out0, out1 in zip(r0["fixed_outs"], r1["fixed_outs"], strict=True):
+        assert torch.equal(out0, out1)

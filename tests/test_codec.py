@@ -39,8 +39,9 @@ def test_header_bytes_literal():
 
 
 def test_call_descriptor_bytes_literal():
-    """The 48-byte call descriptor (layout.py): the payload header, kind, op, 6 reserved
-    zero bytes, the call index as uint64 LE; and back."""
+    """The 48-byte call descriptor (layout.py): the payload header, kind, op, path, 5
+    reserved zero bytes, the call index as uint64 LE; and back. An exact call under
+    bits=auto says path 1 and may carry any dtype (int64: 16 + 1)."""
     from qcomm import layout
 
     cfg = QuantConfig(bits=4, bucket_size=8, scheme="nuq", norm="l2", rounding="nearest")
@@ -56,6 +57,11 @@ def test_call_descriptor_bytes_literal():
         "reduce_scatter", 4, 258, 10, 4)
     ag = layout.encode_descriptor("all_gather", 1, torch.float32, QuantConfig(), layout.NO_OP, 0)
     assert ag[32:34] == bytes([1, 255])
+    exact = layout.encode_descriptor("all_reduce", 3, torch.int64, QuantConfig(), 0, 7, path=1)
+    assert exact[6] == 17 and exact[32:40] == bytes([3, 0, 1, 0, 0, 0, 0, 0])
+    got = layout.decode_descriptor(exact)
+    assert (got["dtype"], got["path"], got["kind"], got["numel"]) == (
+        torch.int64, "exact", "all_reduce", 3)
     with pytest.raises(ValueError, match="not a qcomm call descriptor"):
         layout.decode_descriptor(bytes(48))
 

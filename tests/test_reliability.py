@@ -361,8 +361,9 @@ def test_a_failure_after_the_exchange_started_fails_the_group(mode):
 def _env_mismatch_body(rank, world):
     """Ranks started with different QCOMM_* variables (the last rank alone differs, so
     a rank that compared with rank 0 alone would miss it): new_group("qcomm") fails on
-    every rank with the same error, naming both configs. Then the same for a wrapped
-    group's agreement (its first call) and a call's descriptors: every rank refuses
+    every rank with the same error, naming both configs. Then the same for a wrap
+    (through the store, at once), a plain group's agreement (its first call through
+    qcomm, here the hook route's install) and a call's descriptors: every rank refuses
     in the same words, and the group stays usable."""
     errors = {}
     last = rank == world - 1
@@ -376,10 +377,14 @@ def _env_mismatch_body(rank, world):
     ok = dist.new_group(backend="qcomm")  # the same environment again: fine
     t = make(rank, 4096)
     dist.all_reduce(t, group=ok)
-    wrapped = qcomm.wrap(dist.group.WORLD, CommConfig(min_numel=4096 if last else 1024))
     with pytest.raises(ValueError, match="config differs between ranks") as info:
-        qcomm.all_reduce(make(rank, 2048), group=wrapped)
+        qcomm.wrap(dist.group.WORLD, CommConfig(min_numel=4096 if last else 1024))
     errors["wrap"] = str(info.value)
+    plain = dist.new_group(backend="gloo")  # the hook route's: agreed at install
+    with pytest.raises(ValueError, match="config differs between ranks") as info:
+        qcomm.driver.adopt(plain, CommConfig(min_numel=4096 if last else 1024),
+                           torch.device("cpu"))
+    errors["plain"] = str(info.value)
     out = torch.empty(world * 4096)
     config = QuantConfig(bits=4 if last else 8)
     with pytest.raises(ValueError, match="ranks disagree") as info:
@@ -397,6 +402,7 @@ def test_env_mismatch_fails_at_group_creation():
     assert "bucket_size=512" in errors["QCOMM_BUCKET"]
     assert "'nuq'" in errors["QCOMM_SCHEME"]
     assert "min_numel=4096" in errors["wrap"] and "rank 2" in errors["wrap"]
+    assert "min_numel=4096" in errors["plain"] and "rank 2" in errors["plain"]
     assert "bits: rank 2 has 4, rank 0 8" in errors["descriptor"]
     for other in results[1:]:  # every rank: the same error, word for word
         assert other == errors, (other, errors)
@@ -449,10 +455,9 @@ def _disagree_body(rank, world):
     call = lambda: qcomm.all_reduce(t, ReduceOp.AVG if rank else ReduceOp.SUM, group)  # noqa: E731
     call.keep = [t]
     refused("reduce op", call)
-    # a group wrapped with different configs: its first collective says so
-    wrapped = qcomm.wrap(group, CommConfig(min_numel=4096 if rank else 1024))
+    # a group wrapped with different configs: the wrap says so, through the store
     with pytest.raises(ValueError, match="config differs between ranks.*min_numel=4096"):
-        qcomm.all_reduce(make(rank, 2048), group=wrapped)
+        qcomm.wrap(group, CommConfig(min_numel=4096 if rank else 1024))
     # the payload header check alone (descriptors off): equal-size payloads that differ
     # are named, after the exchange; the payloads had moved, so each group fails for good
     import qcomm.handshake as H
