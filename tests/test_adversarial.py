@@ -553,3 +553,66 @@ def test_a_bad_environment_on_one_rank_is_named_by_every_rank():
     for words in r0.values():
         assert "rank 1 cannot use its qcomm environment" in words, words
         assert "QCOMM_BITS='eight'" in words, words
+
+
+# ---------------------------------------------------------------------------------
+# Exact calls under fixed bits: the inner group's behaviour, nothing worse
+
+
+def _mixed_paths_body(rank, world):
+    """Fixed bits: rank 0's all-gather compresses (4096 elements), rank 1's goes exact
+    (512: under min_numel). Nothing decides them alike (an exact call has no descriptor
+    under fixed bits): each fails at the group's timeout naming its phase, rank 0's
+    group failed for good; no process aborts, no output is returned."""
+    n = 4096 if rank == 0 else 512
+    group = qcomm.wrap(dist.group.WORLD, qcomm.CommConfig())
+    said = []
+    for _ in range(2):
+        with pytest.raises(dist.DistBackendError) as info:
+            qcomm.all_gather_into_tensor(torch.zeros(world * n), make(rank, n), group)
+        said.append(str(info.value))
+    return said
+
+
+@pytest.mark.slow
+def test_fixed_bits_exact_calls_on_mixed_paths_fail_at_the_timeout_naming_the_phase():
+    r0, r1 = run_ranks(_mixed_paths_body, 2, backend="gloo", pg_timeout=5, fresh=True)
+    assert "the descriptor exchange failed on rank 0" in r0[0], r0
+    assert "an earlier call on this group failed" in r0[1], r0
+    assert all("the exact (uncompressed) call failed on rank 1" in s for s in r1), r1
+
+
+_SIZE_MISMATCH = """
+import os, sys, torch, torch.distributed as dist
+rank = int(sys.argv[1])
+import qcomm
+dist.init_process_group(sys.argv[2], init_method="file://" + sys.argv[3], rank=rank,
+                        world_size=2)
+t = torch.ones(512 if rank == 0 else 256, dtype=torch.int64)
+dist.all_reduce(t)
+print("returned", t[:2].tolist(), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_fixed_bits_exact_size_mismatch_is_what_gloo_does(tmp_path):
+    """An exact call (int64) whose sizes differ across ranks goes to gloo as it is:
+    under qcomm as under plain gloo, a rank's process aborts on gloo's "Received data
+    size doesn't match" and no rank returns a value."""
+    import os
+    import subprocess
+    import sys
+
+    seen = {}
+    for backend in ("gloo", "qcomm"):
+        store = tmp_path / f"store-{backend}"
+        env = {**os.environ, "QCOMM_NODE": "", "QCOMM_COMPILE": "0"}
+        procs = [subprocess.Popen([sys.executable, "-c", _SIZE_MISMATCH, str(r), backend,
+                                   str(store)], env={**env, "QCOMM_NODE": f"n{r}"},
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for r in range(2)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        seen[backend] = ([p.returncode != 0 for p in procs],
+                         any("Received data size doesn't match" in err for _, err in outs),
+                         any("returned" in out for out, _ in outs))
+    assert seen["qcomm"] == seen["gloo"] == ([True, True], True, False), seen
