@@ -86,7 +86,7 @@ class BufferCache:
         self._bufs: dict = {}
 
     def get(self, role: str, numel: int, dtype: torch.dtype, device: torch.device):
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if nbytes > BUFFER_CACHE_MAX_BYTES:
             return torch.empty(numel, dtype=dtype, device=device)
         cuda_stream = (torch.cuda.current_stream(device).cuda_stream
