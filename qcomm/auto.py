@@ -115,6 +115,9 @@ EXPLORE_WITHIN = 2.0
 MARGIN = 1.1
 MAX_CORRECTION = 4.0
 DECISIONS_MAX = 4096  # cached decisions kept, at most (one small tuple each)
+# CUDA calls timed by events not yet read, at most: read once complete, never waited for
+# (a sync on the hot path would stall FSDP's overlap); the oldest dropped beyond
+PENDING_MAX = 256
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,8 @@ class Model:
     taken: dict[tuple, int] = field(default_factory=dict)
     # (kind, size class) -> [path, calls left]: its next calls go that way (refresh)
     explore: dict[tuple, list] = field(default_factory=dict)
+    # CUDA calls timed by a pair of events, read when complete (:meth:`time_later`)
+    pending: list = field(default_factory=list)
 
     def corrected(self, kind: str, compressed: bool, cls: int, seconds: float) -> float:
         """``seconds`` times the path's agreed correction for the size class (1 where
@@ -312,9 +317,33 @@ class Model:
         beside its prediction; not the first call of its kind, path and size class
         (:attr:`taken`: it pays one-time set-up)."""
         key = (kind, compressed, size_class(numel * dtype.itemsize))
+        if self.taken.get(key, 0) > 1:
+            self._observed(key, seconds, predicted)
+
+    def _observed(self, key: tuple, seconds: float, predicted: float) -> None:
+        self.observed.setdefault(key, []).append(seconds / predicted if predicted > 0 else 1.0)
+
+    def time_later(self, start, end, kind: str, compressed: bool, numel: int,
+                   dtype: torch.dtype, predicted: float) -> None:
+        """A committed CUDA call between two timing events on its stream: observed as
+        :meth:`observe` would, once ``end`` has completed (:meth:`collect`)."""
+        key = (kind, compressed, size_class(numel * dtype.itemsize))
         if self.taken.get(key, 0) <= 1:
             return
-        self.observed.setdefault(key, []).append(seconds / predicted if predicted > 0 else 1.0)
+        if len(self.pending) >= PENDING_MAX:
+            del self.pending[0]
+        self.pending.append((start, end, key, predicted))
+
+    def collect(self) -> None:
+        """Observe every pending CUDA call whose end event has completed (``query()``:
+        no wait); the others stay pending."""
+        waiting = []
+        for start, end, key, predicted in self.pending:
+            if end.query():
+                self._observed(key, start.elapsed_time(end) / 1e3, predicted)
+            else:
+                waiting.append((start, end, key, predicted))
+        self.pending = waiting
 
     def due(self, kind: str) -> bool:
         """Whether ``kind``'s agreed refresh is due: after :data:`FIRST_REFRESH`

@@ -41,6 +41,7 @@ call gets the seeds it would have had without the refusal.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -556,7 +557,10 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
         state.stats.record(kind, compressed=False, logical=logical, wire=logical,
                            intra=split_intra(state, logical), predicted=predicted)
         state.engine.drain()  # the inner group's calls in every rank's same order
-        return exact(async_op)
+        if predicted is None or async_op:  # an async exact call's end is NCCL's own
+            return exact(async_op)
+        with _timing(state, kind, False, numel, tensor, predicted[0]):
+            return exact(async_op)
     rank, codec = state.inner.rank(), state.codec_for(tensor.device)
 
     def body() -> None:
@@ -564,7 +568,11 @@ def run(group, kind: str, *, tensor: torch.Tensor, numel: int, logical: int, exa
         with state.lock, torch.no_grad():
             call = Call(kind, state.inner, state, q, state.calls, rank, state.world, codec)
             try:
-                wire, intra = compressed(call)
+                if predicted is None:
+                    wire, intra = compressed(call)
+                else:
+                    with _timing(state, kind, True, numel, tensor, predicted[1]):
+                        wire, intra = compressed(call)
             except handshake.Refused:
                 raise  # every rank refused it alike, before any payload: still in step
             except BaseException as err:
@@ -667,12 +675,31 @@ def decide(state: GroupState, kind: str, numel: int, tensor: torch.Tensor,
     exchange no descriptor: (compress?, predicted exact and compressed seconds). The
     group's model is measured at its first decided call and refreshed from observed
     times (:func:`qcomm.auto.refresh`), each a collective on the inner group at the
-    same call on every rank, after the calls in flight."""
+    same call on every rank, after the calls in flight; the calls timed by events that
+    have completed since the last call are observed first (no wait)."""
     model = state.auto
     if model is None:
         state.engine.drain()
         model = state.auto = _calibrate(state, kind, tensor.device, q)
+    model.collect()
     if model.due(kind):
         state.engine.drain()
         auto.refresh(state, model, kind, tensor.device)
     return model.decide(kind, numel, tensor.dtype, q)
+
+
+@contextlib.contextmanager
+def _timing(state: GroupState, kind: str, compressed: bool, numel: int,
+            tensor: torch.Tensor, predicted: float):
+    """Time what runs inside on the current CUDA stream by two events, read when they
+    have completed (:meth:`qcomm.auto.Model.time_later`): a CUDA call's time without a
+    sync on the hot path."""
+    if tensor.device.type != "cuda":
+        yield
+        return
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    yield
+    end = torch.cuda.Event(enable_timing=True)
+    end.record()
+    state.auto.time_later(start, end, kind, compressed, numel, tensor.dtype, predicted)

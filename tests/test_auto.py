@@ -241,3 +241,39 @@ def test_every_rank_decides_alike_and_compresses_as_the_fixed_setting():
         assert r["calibration_s"] > r["link_s"] > 0, r
     for out0, out1 in zip(r0["fixed_outs"], r1["fixed_outs"], strict=True):
         assert torch.equal(out0, out1)
+
+
+def test_a_cuda_call_is_observed_once_its_events_complete():
+    """A CUDA call is timed by two events on its stream and observed once the end event
+    has completed (``query()``, never a wait); one still running stays pending; the
+    first call of a class on a path is not timed at all (set-up)."""
+
+    class Event:
+        def __init__(self, t: float) -> None:
+            self.t, self.done = t, False
+
+        def query(self) -> bool:
+            return self.done
+
+        def elapsed_time(self, end) -> float:  # milliseconds, as torch.cuda.Event's
+            return end.t - self.t
+
+    model = _model(12.5e6)
+    numel, q = 1 << 16, Q8
+    for _ in range(3):
+        model.commit("all_gather", numel, torch.float32, q, True)
+    first = _model(12.5e6)
+    first.commit("all_gather", numel, torch.float32, q, True)
+    first.time_later(Event(0.0), Event(5.0), "all_gather", True, numel, torch.float32, 1e-3)
+    assert first.pending == []
+    ends = [Event(4.0), Event(8.0)]
+    model.time_later(Event(0.0), ends[0], "all_gather", True, numel, torch.float32, 1e-3)
+    model.time_later(Event(0.0), ends[1], "all_gather", True, numel, torch.float32, 1e-3)
+    model.collect()
+    assert model.observed == {} and len(model.pending) == 2
+    ends[0].done = True
+    model.collect()
+    from qcomm.auto import size_class
+
+    key = ("all_gather", True, size_class(numel * 4))
+    assert model.observed == {key: [pytest.approx(4.0)]} and len(model.pending) == 1
