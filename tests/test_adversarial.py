@@ -29,6 +29,8 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 ROUTES = ("backend", "wrap", "hook", "ddp")
 FAULTS = ("size", "dtype", "op", "extra", "async")
 BIG, SMALL = 4096, 64  # under the fixed model: compressed, exact
+# (world, per-rank environment): 2 ranks each its own node; 2 nodes x 2 ranks
+LAYOUTS = {"2": (2, None), "2x2": (4, [{"QCOMM_NODE": f"node{r // 2}"} for r in range(4)])}
 
 
 def fixed_model(state, kind, device, configs):
@@ -367,13 +369,20 @@ def _probe_dies_body(rank, world, where):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("where", ["calibration", "refresh"])
-def test_a_peer_stopped_inside_auto_fails_the_group_naming_the_probe(where):
-    said, _ = run_ranks(_probe_dies_body, 2, where, backend="gloo", dead=(1,), pg_timeout=20)
-    named = "auto's probe of the link" if where == "calibration" else "auto's agreement"
-    assert len(said) == 2, said
-    assert named in said[0], said
-    assert "an earlier call on this group failed" in said[1] and named in said[1], said
+def test_a_peer_stopped_inside_auto_fails_the_group_naming_the_probe(where, layout):
+    world, env = LAYOUTS[layout]
+    got = run_ranks(_probe_dies_body, world, where, backend="gloo", env=env, dead=(1,),
+                    pg_timeout=10)
+    for rank, said in enumerate(got):
+        if rank == 1:
+            continue
+        # rank 1's direct peers see it go; the others find it at the group's timeout, in
+        # a probe or in the agreement of the probes' times
+        named = [n for n in ("auto's probe of the link", "auto's agreement") if n in said[0]]
+        assert len(said) == 2 and named, (rank, said)
+        assert "an earlier call on this group failed" in said[1] and named[0] in said[1], said
 
 
 # ---------------------------------------------------------------------------------
@@ -427,12 +436,16 @@ def _observed_body(rank, world, route):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("route", ["ddp", "fsdp2"])
-def test_async_calls_correct_a_model_wrong_by_4x(route):
-    r0, r1 = run_ranks(_observed_body, 2, route, backend="gloo", timeout=180)
-    assert r0["model"] == r1["model"], (r0, r1)
+def test_async_calls_correct_a_model_wrong_by_4x(route, layout):
+    world, env = LAYOUTS[layout]
+    got = run_ranks(_observed_body, world, route, backend="gloo", env=env, timeout=180)
+    r0 = got[0]
     assert r0["path"] is True, r0  # the fixed model compresses these calls
     assert r0["refreshes"] >= 2 and r0["correction"] == pytest.approx(4.0), r0
+    for r in got[1:]:
+        assert r["model"] == r0["model"], (r, r0)
 
 
 # ---------------------------------------------------------------------------------
@@ -514,12 +527,14 @@ def _overlap_body(rank, world):
     t = torch.full((BIG,), float(rank + 1))
     dist.all_reduce(t)
     qcomm.all_reduce(t, group=plain)
-    said["usable"] = torch.equal(t, torch.full((BIG,), float(2 * sum(range(1, world + 1)))))
+    said["usable"] = torch.equal(t, torch.full((BIG,), float(world * sum(range(1, world + 1)))))
     return said
 
 
-def test_overlapping_inputs_are_refused_up_front_on_every_entry():
-    for said in run_ranks(_overlap_body, 2):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_overlapping_inputs_are_refused_up_front_on_every_entry(layout):
+    world, env = LAYOUTS[layout]
+    for said in run_ranks(_overlap_body, world, env=env):
         assert said.pop("usable"), said
         for name, words in said.items():
             arg = "tensor" if "all_reduce" in name or "ddp" in name else (
@@ -528,14 +543,14 @@ def test_overlapping_inputs_are_refused_up_front_on_every_entry():
 
 
 def _bad_env_body(rank, world):
-    """Rank 1's ``QCOMM_BITS`` cannot be read: a new qcomm group, a wrap and a plain
-    group's first call through qcomm each fail on every rank with the same words,
-    naming the rank and the variable (rank 1 posts the error as its config), where
-    they waited out the store's timeout for a config rank 1 never posted."""
+    """The last rank's ``QCOMM_BITS`` cannot be read: a new qcomm group, a wrap and a
+    plain group's first call through qcomm each fail on every rank with the same words,
+    naming the rank and the variable (that rank posts the error as its config), where
+    they waited out the store's timeout for a config it never posted."""
     import os
 
     said = {}
-    if rank == 1:
+    if rank == world - 1:
         os.environ["QCOMM_BITS"] = "eight"
     for name, fn in (("new_group", lambda: dist.new_group(backend="qcomm")),
                      ("wrap", lambda: qcomm.wrap(dist.group.WORLD)),
@@ -547,11 +562,14 @@ def _bad_env_body(rank, world):
     return said
 
 
-def test_a_bad_environment_on_one_rank_is_named_by_every_rank():
-    r0, r1 = run_ranks(_bad_env_body, 2, backend="gloo", pg_timeout=60)
-    assert r0 == r1, (r0, r1)
-    for words in r0.values():
-        assert "rank 1 cannot use its qcomm environment" in words, words
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_bad_environment_on_one_rank_is_named_by_every_rank(layout):
+    world, env = LAYOUTS[layout]
+    got = run_ranks(_bad_env_body, world, backend="gloo", env=env, pg_timeout=60)
+    for r in got[1:]:
+        assert r == got[0], (r, got[0])
+    for words in got[0].values():
+        assert f"rank {world - 1} cannot use its qcomm environment" in words, words
         assert "QCOMM_BITS='eight'" in words, words
 
 
