@@ -274,6 +274,7 @@ def comm_config_from_env(
     naming the variable.
     """
     env = os.environ if env is None else env
+    _warn_unknown(env)
     base = CommConfig() if base is None else base
     template = next(
         (q for q in (base.all_gather, base.reduce_scatter, base.all_reduce) if q is not None),
@@ -366,6 +367,31 @@ VARIABLES: tuple[str, ...] = (
     "QCOMM_MIN_NUMEL", "QCOMM_SEED", "QCOMM_INNER", "QCOMM_TOPOLOGY", "QCOMM_INTRA_NODE",
     "QCOMM_ASYNC", "QCOMM_COMPILE", "QCOMM_TRITON_WARPS",
 )
+
+
+# QCOMM_* variables qcomm reads elsewhere than its config: this process's node
+# (node_key), and those of its own benchmarks and test harness (bench/, tests/).
+OTHER_VARIABLES: tuple[str, ...] = ("QCOMM_NODE", "QCOMM_BENCH_CPUS", "QCOMM_SUITE_AS_GLOO",
+                                    "QCOMM_TEST_PARENT")
+OTHER_PREFIXES: tuple[str, ...] = ("QCOMM_CHECK_",)  # bench/device_check.sh's settings
+_warned: set = set()
+
+
+def _warn_unknown(env: Mapping[str, str]) -> None:
+    """Warn once a process for each ``QCOMM_*`` variable qcomm does not read (a typo
+    would otherwise be ignored without a word), naming the closest one it does."""
+    import difflib
+    import warnings
+
+    for name in env:
+        if (not name.startswith("QCOMM_") or name in _warned or name in VARIABLES
+                or name in OTHER_VARIABLES or name.startswith(OTHER_PREFIXES)):
+            continue
+        _warned.add(name)
+        close = difflib.get_close_matches(name, VARIABLES + OTHER_VARIABLES, n=1, cutoff=0.6)
+        warnings.warn(f"{name} is not a qcomm variable and is ignored" + (
+            f": did you mean {close[0]}?" if close else
+            " (qcomm.config.VARIABLES lists those it reads)"), UserWarning, stacklevel=3)
 
 
 def env_from_keys(text: str) -> dict[str, str]:

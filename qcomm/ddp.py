@@ -11,7 +11,9 @@ reducer waits on it), with the group's topology, seeds and stats
 (``qcomm.stats(group)``); buckets that must stay exact (integer or float64 gradients,
 under ``min_numel``) go exact. ``state``: None (the default group, ``QCOMM_*``), a
 :class:`~qcomm.QuantConfig` (the default group, that config for every bucket), a
-:class:`~qcomm.CommConfig` (the default group, its ``all_reduce``), or a
+:class:`~qcomm.CommConfig` (the default group's whole config, every field of it:
+``topology``, ``intra_node``, ``auto``, ``min_numel``...; agreed by every rank at the
+first bucket, and a ValueError naming both where the group already runs another), or a
 process group (its ``QCOMM_*`` config), as torch's hooks take theirs.
 """
 
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives as C
+from . import driver
 from .config import CommConfig, QuantConfig
 
 
@@ -26,8 +29,11 @@ from .config import CommConfig, QuantConfig
 def ddp_comm_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """A DDP comm hook (``ddp.register_comm_hook(state, qcomm.ddp_comm_hook)``): the
     bucket's gradients averaged over the group, compressed; the future holds them."""
-    if state is None or isinstance(state, (QuantConfig, CommConfig)):
+    if state is None or isinstance(state, QuantConfig):
         group, config = None, state
+    elif isinstance(state, CommConfig):  # the group's config, all of it
+        group, config = None, None
+        driver.adopt(None, state, bucket.buffer().device)
     elif isinstance(state, dist.ProcessGroup):
         group, config = state, None
     else:

@@ -272,6 +272,7 @@ def adopt(group, config: CommConfig, device: torch.device) -> GroupState:
     its config agreed by every rank now: the hook route's groups (:func:`qcomm.fsdp.compress`),
     agreed at install time, which every rank runs, not at a first call that a rank might
     make alone. A collective: every member calls it."""
+    group = I.default(group)
     state = group_state(group, config)
     state.agree(group, "all_gather", device)
     return state

@@ -57,6 +57,7 @@ used, or any plain group, configured from ``QCOMM_*``).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -344,11 +345,37 @@ def _modules(fn: str, setter: str, module: torch.nn.Module, include) -> list:
         raise ValueError(f"{fn}: no FSDP2 module " + (
             "that owns parameters found" if found
             else "found that include() accepts" if include is not None and fsdp_modules(module)
-            else "found (call fully_shard on the model or its blocks first)"))
+            else f"found in the {type(module).__name__} given{_what_instead(module)}"))
     if not hasattr(mods[0], setter):
         raise RuntimeError(f"{fn} needs FSDPModule.{setter} (torch >= 2.9); this is torch "
                            f"{torch.__version__}")
+    alone = {id(g): g for m in mods for g in _groups_of(m) if g.size() == 1}
+    if len(alone) == len({id(g) for m in mods for g in _groups_of(m)}):
+        warnings.warn(
+            f"{fn}: FSDP's group has 1 rank, so there is nothing to compress and no call "
+            "will be (a mesh whose data-parallel dimension is 1: e.g. Lightning's "
+            "ModelParallelStrategy() on one node defaults to tensor parallel; pass "
+            "fully_shard a mesh of the data-parallel ranks)", UserWarning, stacklevel=3)
     return mods
+
+
+def _groups_of(module) -> list:
+    """The groups FSDP sends ``module``'s all-gathers and reduce-scatters on."""
+    group = _param_groups(module)[0]
+    return [group._all_gather_process_group, group._reduce_scatter_process_group]
+
+
+def _what_instead(module) -> str:
+    """What to use for a model that holds no FSDP2 module (the wrapper it is, named)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    name = type(module).__name__
+    if isinstance(module, DistributedDataParallel):
+        return (f" ({name} is DDP: use ddp.register_comm_hook(state, qcomm.ddp_comm_hook), "
+                "or init_process_group('qcomm'))")
+    if name == "FullyShardedDataParallel":
+        return f" ({name} is FSDP1: use init_process_group('qcomm'), the backend route)"
+    return " (call fully_shard on the model or its blocks first)"
 
 
 def _install(fn: str, setter: str, module: torch.nn.Module, include, make) -> list:

@@ -23,6 +23,7 @@ rank.
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -117,11 +118,32 @@ _logged: set = set()
 
 
 def log_plan_once(topo: Topology, plan: str, why: str) -> None:
-    """Say once per (plan, reason) what a group of several nodes does and why."""
+    """Say once per (plan, reason) what a group of several nodes does and why; and, once
+    per group, that a group of one node compresses nothing (:func:`say_one_node`)."""
+    if plan == EXACT and topo.nodes == 1 and len(topo.keys) > 1:
+        say_one_node(len(topo.keys), topo.keys[0])
     if topo.nodes > 1 and plan == FLAT and (plan, why) not in _logged:
         _logged.add((plan, why))
         log.info("qcomm: a %d-rank group over %d nodes runs flat (one-level) collectives: %s",
                  len(topo.keys), topo.nodes, why)
+
+
+def say_one_node(world: int, node: str) -> None:
+    """Every call of a group whose ``world`` ranks share one node goes exact (the
+    default topology: compression only costs kernel time inside a node). Where that
+    group is the whole job (every rank of the default group: two ranks tried on one
+    machine, the trap a newcomer meets first) it is a ``UserWarning``, shown by default,
+    since nothing would compress at all; a smaller group inside a node (HSDP's shard
+    dimension, a mesh dimension) is meant to be exact, and is said at INFO."""
+    text = (f"qcomm: the {world} ranks of this group share one node ({node!r}), so every "
+            "call goes exact, uncompressed (inside a node qcomm sends exact); set "
+            "QCOMM_INTRA_NODE=compress (CommConfig(intra_node='compress')) to compress "
+            "between them, or QCOMM_NODE per rank to name their nodes apart")
+    whole = dist.is_initialized() and world == dist.get_world_size()
+    if whole:
+        warnings.warn(text, UserWarning, stacklevel=2)
+    else:
+        log.info(text)
 
 
 def plain_subgroups(group, rank: int | None = None) -> Subgroups:
