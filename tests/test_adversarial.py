@@ -421,8 +421,8 @@ def _observed_body(rank, world, route):
             model.unshard(async_op=True).wait()
             model.reshard()
 
-    state = qcomm.driver.group_state(None)
     step()  # the first call: measures the model; not observed
+    state = qcomm.driver.group_state(None)
     q = qcomm.QuantConfig()
     compress, exact_s, compressed_s = state.auto.predicted(kind, numel, torch.float32, q)
     A.clock = fake_clock(4 * (compressed_s if compress else exact_s))
