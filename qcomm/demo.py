@@ -9,9 +9,11 @@ per collective, the bytes this rank sent compressed against what gloo would send
 what the run showed and what to run next: on loopback the bytes saved cost nothing to
 send, so the wall time shows the codec's cost, not compression's gain; the shaped-link
 benchmarks (``python -m bench collectives --link 100mbit``, ``python -m bench train
---link 100mbit``) show the gain. Last, the same training once more with ``bits=auto``
+--link 100mbit``) show the gain. Then the same training once more with ``bits=auto``
 (:mod:`qcomm.auto`: each call exact or compressed, whichever a model measured on this
-link and codec predicts faster), and what it chose: on loopback, exact.
+link and codec predicts faster), and what it chose. Step times are compared last, once
+every variant has run (the first run of anything in a process pays its set-up), the
+variants interleaved round by round.
 
 Launched here, each process plays one host (``QCOMM_NODE=host<rank>``): under the
 default ``QCOMM_TOPOLOGY=auto`` ranks of one node send exact, and on one machine every
@@ -64,8 +66,9 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, (3 * x + 1) % VOCAB
 
 
-def train_fsdp2(mesh, steps: int, dim: int) -> list[float]:
-    """Train a fresh TinyLM (same init on every rank and run) sharded over ``mesh``."""
+def train_fsdp2(mesh, steps: int, dim: int, times: list | None = None) -> list[float]:
+    """Train a fresh TinyLM (same init on every rank and run) sharded over ``mesh``
+    (``times``: gets each step's seconds)."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
@@ -73,23 +76,45 @@ def train_fsdp2(mesh, steps: int, dim: int) -> list[float]:
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return train(model, dist.get_rank(), steps)
+    return train(model, dist.get_rank(), steps, times=times)
 
 
-def train(model: nn.Module, rank: int, steps: int, lr: float = 3e-3) -> list[float]:
+def train(model: nn.Module, rank: int, steps: int, lr: float = 3e-3,
+          times: list | None = None) -> list[float]:
     """``steps`` Adam steps of ``model`` (a TinyLM, wrapped any way) on ``rank``'s
-    batches, on the model's device (tokens and targets both); the losses."""
+    batches, on the model's device (tokens and targets both); the losses (``times``:
+    gets each step's seconds)."""
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     device = next(model.parameters()).device
     losses = []
     for step in range(steps):
+        began = time.perf_counter()
         x, y = (t.to(device) for t in batch(rank, step))
         loss = nn.functional.cross_entropy(model(x).view(-1, VOCAB), y.view(-1))
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+        if times is not None:
+            times.append(time.perf_counter() - began)
     return losses
+
+
+def step_times(meshes: dict, dim: int, steps: int = 12, rounds: int = 2) -> dict:
+    """Each variant's median step time (``meshes``: name -> mesh), measured fairly:
+    after every variant has trained once already (warm: the first run of anything in a
+    process pays its set-up), ``rounds`` rounds of ``steps`` steps each, the variants
+    interleaved round by round (a busy machine slows them alike), a run's first step
+    left out."""
+    times: dict = {name: [] for name in meshes}
+    for _ in range(rounds):
+        for name, mesh in meshes.items():
+            got: list = []
+            train_fsdp2(mesh, steps, dim, times=got)
+            times[name] += got[1:]
+    got = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    got["steps"] = rounds * (steps - 1)
+    return got
 
 
 def _run(steps: int, dim: int) -> None:
@@ -102,20 +127,19 @@ def _run(steps: int, dim: int) -> None:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     gloo = dist.new_group(backend="gloo")
-    t0 = time.perf_counter()
-    base = train_fsdp2(DeviceMesh.from_group(gloo, "cpu"), steps, dim)
-    t1 = time.perf_counter()
+    meshes = {"gloo": DeviceMesh.from_group(gloo, "cpu"),
+              "qcomm": init_device_mesh("cpu", (world,))}
+    base = train_fsdp2(meshes["gloo"], steps, dim)
     qcomm.stats(reset=True)
-    ours = train_fsdp2(init_device_mesh("cpu", (world,)), steps, dim)
-    t2 = time.perf_counter()
+    ours = train_fsdp2(meshes["qcomm"], steps, dim)
     snap = qcomm.stats()
     cfg = dist.group.WORLD.config
     # bits=auto: the same config, each call exact or compressed by what this link costs
     auto_group = qcomm.wrap(dist.group.WORLD, cfg.replace(auto=True))
-    t3 = time.perf_counter()
-    train_fsdp2(DeviceMesh.from_group(auto_group, "cpu"), steps, dim)
-    t4 = time.perf_counter()
+    meshes["bits=auto"] = DeviceMesh.from_group(auto_group, "cpu")
+    train_fsdp2(meshes["bits=auto"], steps, dim)
     auto = qcomm.stats(auto_group)
+    step = step_times(meshes, dim, steps=max(3, min(steps, 12)))  # every variant warm now
     if rank != 0:
         return
     bits = {k: (getattr(cfg, k).bits if getattr(cfg, k) else "off")
@@ -132,12 +156,11 @@ def _run(steps: int, dim: int) -> None:
             print(f"{i:>4}  {a:>10.4f}  {b:>10.4f}  {100 * (b - a) / a:>+7.2f}%")
     print("\nbytes rank 0 sent to its peers in the qcomm run:")
     print(format_table(snap))
-    print(_what_it_showed(snap, base, ours, t1 - t0, t2 - t1, cfg))
-    print(_what_auto_chose(auto, t4 - t3, t1 - t0))
+    print(_what_it_showed(snap, base, ours, step, cfg))
+    print(_what_auto_chose(auto, step))
 
 
-def _what_it_showed(snap, base: list[float], ours: list[float], t_gloo: float,
-                    t_qcomm: float, cfg) -> str:
+def _what_it_showed(snap, base: list[float], ours: list[float], step: dict, cfg) -> str:
     """The closing lines: what the run showed, why loopback is not faster, what next
     (``cfg``: the qcomm group's CommConfig)."""
     names = {"all_gather": "all-gathers (weights)", "reduce_scatter":
@@ -155,24 +178,38 @@ def _what_it_showed(snap, base: list[float], ours: list[float], t_gloo: float,
         f"  {'the same loss' if gap < 0.02 else 'the loss'}: qcomm's curve stays within "
         f"{100 * gap:.2f}% of gloo's at every step",
         f"    ({len(base)} steps, the same model, data and seeds).",
-        f"Why it is not faster here: wall time on loopback, gloo {t_gloo:.1f} s, qcomm "
-        f"{t_qcomm:.1f} s.",
-        "  Loopback has no slow link: the bytes saved cost nothing to send, while quantizing",
-        f"  and decoding them costs CPU time (the codec {codec}).",
+        "Step time on loopback, every variant warm and the variants interleaved (median "
+        f"of {step['steps']} steps each):\n  gloo {1e3 * step['gloo']:.1f} ms, qcomm "
+        f"{1e3 * step['qcomm']:.1f} ms ({step['gloo'] / step['qcomm']:.2f}x gloo's speed), "
+        f"bits=auto {1e3 * step['bits=auto']:.1f} ms "
+        f"({step['gloo'] / step['bits=auto']:.2f}x).",
+        "What they mean:",
+        "  Loopback has no slow link: the bytes saved cost next to nothing to send, while",
+        f"  quantizing and decoding them costs CPU time (the codec {codec}); the gap, either",
+        "  way, is the codec's cost and this machine's noise, not compression's gain.",
         "  Compression pays where the link is the bottleneck. To see it pay, run the ranks as",
         "  two hosts behind a tc-shaped 100 Mbit/s link (network namespaces; needs root):",
-        "    python -m bench collectives --link 100mbit   # each collective against exact gloo",
-        "    python -m bench train --link 100mbit         # FSDP2 training: step time and loss",
-        "    python -m bench train --link unshaped        # bytes each host's interface sent",
+        f"    {_python()} -m bench collectives --link 100mbit   # each collective vs exact gloo",
+        f"    {_python()} -m bench train --link 100mbit         # FSDP2 training: step time, loss",
+        f"    {_python()} -m bench train --link unshaped        # bytes each host's interface sent",
         "  Figures measured so far, with their commands: docs/results.md",
     ])
 
 
-def _what_auto_chose(snap, t_auto: float, t_gloo: float) -> str:
+def _python() -> str:
+    """This interpreter as a command to type: ``.venv/bin/python`` where the README's
+    set-up made it (``python -m bench`` needs the torch this one has)."""
+    import sys
+
+    path = os.path.relpath(sys.executable)
+    return path if not path.startswith("..") else sys.executable
+
+
+def _what_auto_chose(snap, step: dict) -> str:
     """What bits=auto chose on this link, and why (its predicted times a call)."""
     lines = [f"\nbits=auto on this link (each call exact or compressed, whichever its model "
-             f"of this link\nand codec predicts faster): wall time {t_auto:.1f} s, "
-             f"gloo {t_gloo:.1f} s"]
+             f"of this link\nand codec predicts faster): a step {1e3 * step['bits=auto']:.1f} "
+             f"ms, gloo's {1e3 * step['gloo']:.1f} ms; its first run:"]
     for kind, s in snap.items():
         calls = s.auto_exact + s.auto_compressed
         if calls:
