@@ -316,9 +316,16 @@ class Model:
         """A committed call's time on this rank (synchronous or not: the whole call),
         beside its prediction; not the first call of its kind, path and size class
         (:attr:`taken`: it pays one-time set-up)."""
-        key = (kind, compressed, size_class(numel * dtype.itemsize))
-        if self.taken.get(key, 0) > 1:
+        key = self._observable(kind, compressed, numel, dtype)
+        if key is not None:
             self._observed(key, seconds, predicted)
+
+    def _observable(self, kind: str, compressed: bool, numel: int,
+                    dtype: torch.dtype) -> tuple | None:
+        """A committed call's (kind, path, size class), or None for the first call of
+        its class on its path (:attr:`taken`: it pays one-time set-up)."""
+        key = (kind, compressed, size_class(numel * dtype.itemsize))
+        return key if self.taken.get(key, 0) > 1 else None
 
     def _observed(self, key: tuple, seconds: float, predicted: float) -> None:
         self.observed.setdefault(key, []).append(seconds / predicted if predicted > 0 else 1.0)
@@ -327,8 +334,8 @@ class Model:
                    dtype: torch.dtype, predicted: float) -> None:
         """A committed CUDA call between two timing events on its stream: observed as
         :meth:`observe` would, once ``end`` has completed (:meth:`collect`)."""
-        key = (kind, compressed, size_class(numel * dtype.itemsize))
-        if self.taken.get(key, 0) <= 1:
+        key = self._observable(kind, compressed, numel, dtype)
+        if key is None:
             return
         if len(self.pending) >= PENDING_MAX:
             del self.pending[0]

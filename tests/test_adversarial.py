@@ -24,6 +24,7 @@ from conftest import make, run_ranks
 from torch.distributed import ReduceOp
 
 import qcomm
+from qcomm.driver import op_type
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 ROUTES = ("backend", "wrap", "hook", "ddp")
@@ -164,10 +165,6 @@ def _faulty(call: tuple, fault: str, rank: int) -> tuple:
         return (kind, 2 * n, torch.bfloat16, op, salt)
     return (kind, n, dtype, ReduceOp.AVG if op_type(op) != ReduceOp.AVG else ReduceOp.SUM,
             salt)
-
-
-def op_type(op):
-    return getattr(op, "op", op)
 
 
 def _run(route: Route, group, rank: int, world: int, fault: str | None) -> dict:

@@ -56,6 +56,6 @@ def install(model: torch.nn.Module, config: CommConfig | QuantConfig | None = No
 
 
 def _is_default(group) -> bool:
-    import torch.distributed as dist
+    from .. import inner
 
-    return group is None or group is dist.distributed_c10d._get_default_group()
+    return group is None or group is inner.default(None)
